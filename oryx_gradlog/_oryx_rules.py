@@ -1,0 +1,121 @@
+"""Oryx reap rules for `lax.scan` and `lax.cond` that record sites need.
+
+Oryx reaps a `scan` or `cond` body by rebuilding the loop or the branches so that
+they also return the body's sows. Two cases that record sites hit every day fail in
+Oryx 0.2.9, and importing `oryx_gradlog` installs rules for them in Oryx's
+`reap_custom_rules` registry:
+
+* `scan` with `append` sows. Oryx's rule builds the new scan's `linear` flags from
+  the old constant count although the rebuilt body has a different number of
+  constants, so the flags no longer line up with the operands. Whenever JAX later
+  reads them (dead-code elimination of an eager scan, `grad` with `argnums` that
+  leave some scan inputs undifferentiated, `vmap`, `grad` of `grad`), it fails with
+  "safe_zip() argument 2 is shorter than argument 1". Reaping the function that
+  `jax.vjp` returns usually got lucky with the counts, which is why it seemed to
+  work. Our rule rebuilds the loop with `lax.scan` itself, which keeps its own
+  flags right.
+* `cond`/`switch` whose branches sow different names: Oryx raises "Mismatching
+  number of sows" / "Missing sow in branch". A record site in one branch only is
+  exactly that. Our rule has each branch return the records of all branches, with
+  zeros for the ones it does not make.
+
+Sharp edges:
+  * Both rules take over only in those cases; other scans and conds (clobber sows,
+    matching branches) go to Oryx's own rules unchanged. The registry is global, so
+    this applies to every Oryx reap in the process.
+  * The canary tests in `tests/test_oryx_canaries.py` fail loudly when an Oryx
+    release fixes these cases, so the rules can then be deleted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core as jax_core
+from jax.extend.core import jaxpr_as_fun
+from oryx.core.interpreters import harvest
+
+_oryx_scan_rule = harvest.reap_custom_rules[lax.scan_p]
+_oryx_cond_rule = harvest.reap_custom_rules[lax.cond_p]
+
+
+def _reap_settings(trace) -> dict[str, Any]:
+  settings = trace.context.settings
+  return {
+      "tag": settings.tag,
+      "allowlist": settings.allowlist,
+      "blocklist": settings.blocklist,
+      "exclusive": settings.exclusive,
+  }
+
+
+def _resow(trace, reaps: dict[str, Any]) -> None:
+  for name, value in reaps.items():
+    harvest._sow(  # pylint: disable=protected-access
+        trace, value, tag=trace.context.settings.tag, name=name, mode="append"
+    )
+
+
+def _sow_modes(trace, jaxpr, *args) -> dict[str, Any]:
+  return harvest._get_harvest_metadata(  # pylint: disable=protected-access
+      jaxpr, trace.context.settings, *args
+  )
+
+
+def _reap_scan_rule(trace, *vals, jaxpr, num_consts, num_carry, length, reverse, **params):
+  consts, carry, xs = vals[:num_consts], vals[num_consts : num_consts + num_carry], vals[num_consts + num_carry :]
+  with jax_core.set_current_trace(trace.parent_trace):
+    x_first = [x[0] for x in xs]
+  metadata = _sow_modes(trace, jaxpr, *consts, *carry, *x_first)
+  if any(meta["mode"] != "append" for meta in metadata.values()):
+    return _oryx_scan_rule(
+        trace, *vals, jaxpr=jaxpr, num_consts=num_consts, num_carry=num_carry,
+        length=length, reverse=reverse, **params)
+
+  body = harvest.call_and_reap(jaxpr_as_fun(jaxpr), **_reap_settings(trace))
+
+  def step(carry, x):
+    out, reaps = body(*consts, *carry, *x)
+    return out[:num_carry], (out[num_carry:], reaps)
+
+  with jax_core.set_current_trace(trace.parent_trace):
+    carry_out, (ys, reaps) = lax.scan(
+        step, list(carry), list(xs), length=length, reverse=reverse,
+        unroll=params["unroll"])
+  _resow(trace, reaps)
+  return [*carry_out, *ys]
+
+
+def _reap_cond_rule(trace, index, *ops, branches, **params):
+  metadata = [_sow_modes(trace, branch, *ops) for branch in branches]
+  names = {name: meta for branch in metadata for name, meta in branch.items()}
+  if all(set(branch) == set(names) for branch in metadata) or any(
+      meta["mode"] != "append" for meta in names.values()
+  ):
+    return _oryx_cond_rule(trace, index, *ops, branches=branches, **params)
+
+  def all_records(branch):
+    run = harvest.call_and_reap(jaxpr_as_fun(branch), **_reap_settings(trace))
+
+    def wrapped(*ops):
+      out, reaps = run(*ops)
+      zeros = {
+          name: jax.tree.map(lambda aval: jnp.zeros(aval.shape, aval.dtype), meta["aval"])
+          for name, meta in names.items()
+          if name not in reaps
+      }
+      return out, {**reaps, **zeros}
+
+    return wrapped
+
+  with jax_core.set_current_trace(trace.parent_trace):
+    out, reaps = lax.switch(index, [all_records(b) for b in branches], *ops)
+  _resow(trace, reaps)
+  return out
+
+
+harvest.reap_custom_rules[lax.scan_p] = _reap_scan_rule
+harvest.reap_custom_rules[lax.cond_p] = _reap_cond_rule

@@ -1,0 +1,262 @@
+"""Reaping: `reap` and `call_and_reap` collect records as a dict on the device.
+
+A reaped call runs the user's function under an Oryx harvest trace whose context
+(`_Collector`) keeps every record site's sow in the order it arrives. Each
+transposition of a site sows under a unique name (`_sites.py`), so Oryx never sees a
+name twice inside a `jit`, `scan`, `cond` or `checkpoint` body; the collector then
+groups the sows by the user's name and stacks repeated calls along a new leading
+axis. A backward pass reaches sites in the reverse of the forward order, so the
+collector reverses the arrivals: index 0 is the first call in the forward pass.
+
+Records are the backward pass's own arrays: they are outputs of the traced
+program, never copied to the host, and under `jit` they are outputs of the one
+compiled program.
+
+Sharp edges:
+  * A name used once gives its record as it is; a name used k > 1 times gives the k
+    records stacked along a new leading axis (forward call order). Under `vmap`
+    inside the reaped function the batch axis comes next: `(k, batch, ...)`. Inside
+    `lax.scan` the iterations stack: `(iterations, ...)`, or `(k, iterations, ...)`
+    for k calls of one name per iteration.
+  * When several backward passes run inside one reaped function (a `jax.grad`
+    inside the loss, as in MAML), every pass adds its records to the same name, and
+    the last pass to finish comes first. Reap the inner gradient with its own
+    `call_and_reap` to keep its records under a separate dict.
+  * A reap collects the sites of one tag; a nested reap of the same tag takes the
+    records made inside it, and the outer reap does not see them.
+  * A function traced once and called several times inside a `jit` or `checkpoint`
+    body (JAX reuses its trace) cannot be reaped twice by Oryx; this is an error
+    that says what to do.
+  * Sites inside `lax.while_loop` (or a `fori_loop` with traced bounds) cannot be
+    stacked and give an error; a `fori_loop` with Python int bounds is a scan.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import core as jax_core
+from oryx.core.interpreters import harvest
+
+from oryx_gradlog import _sites
+from oryx_gradlog._record import VJPRecord
+from oryx_gradlog._sites import DEFAULT_TAG
+
+
+@dataclasses.dataclass
+class _Collector(harvest.ReapContext):
+  """Oryx reap context that keeps record-site sows in arrival order."""
+
+  arrivals: list = dataclasses.field(default_factory=list)
+
+  def handle_sow(self, *values, name, tag, tree, mode):
+    if _sites.parse_sow_name(name) is None:  # A plain Oryx sow: Oryx's semantics.
+      return super().handle_sow(*values, name=name, tag=tag, tree=tree, mode=mode)
+    self.arrivals.append((name, jax.tree.unflatten(tree, values)))
+    return values
+
+
+def call_and_reap(
+    f: Callable[..., Any], *, tag: str = DEFAULT_TAG
+) -> Callable[..., tuple[Any, dict[str, Any]]]:
+  """Returns a function that calls `f` and also returns the records it made.
+
+  Args:
+    f: typically `jax.grad(loss)`, `jax.value_and_grad(loss)` or any function that
+      runs a backward pass through record sites.
+    tag: collect the sites of this tag.
+
+  Returns:
+    A function with the signature of `f` that returns `(f(...), records)`, where
+    `records` maps each record name to its arrays (see the module docstring).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w: jnp.sum(gl.tap(w * 3.0, name="h") ** 2)
+    >>> grads, records = gl.call_and_reap(jax.grad(loss))(jnp.ones(2))
+    >>> grads, records["h"]
+    (Array([18., 18.], dtype=float32), Array([6., 6.], dtype=float32))
+  """
+  return _reaper(f, tag=tag, api="call_and_reap")
+
+
+def reap(f: Callable[..., Any], *, tag: str = DEFAULT_TAG) -> Callable[..., dict[str, Any]]:
+  """Returns a function that calls `f` and returns only the records it made.
+
+  Args:
+    f: typically `jax.grad(loss)`.
+    tag: collect the sites of this tag.
+
+  Returns:
+    A function with the signature of `f` that returns a dict of records.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> mvm = gl.record_vjp(lambda x, w: x @ w, name="mvm")
+    >>> loss = lambda x, w: jnp.sum(mvm(mvm(x, w), w))
+    >>> jax.tree.map(jnp.shape, gl.reap(jax.grad(loss))(jnp.ones(3), jnp.eye(3)))
+    {'mvm': ((2, 3), (2, 3, 3))}
+  """
+  call = _reaper(f, tag=tag, api="reap")
+  return functools.wraps(f)(lambda *args, **kwargs: call(*args, **kwargs)[1])
+
+
+def _reaper(f, *, tag, api):
+  @functools.wraps(f)
+  def wrapped(*args, **kwargs):
+    collector = _Collector(harvest.HarvestSettings(tag, frozenset(), None, False), {})
+    try:
+      with harvest.harvest_trace(collector):
+        out = f(*args, **kwargs)
+    except Exception as error:
+      _close_suspended_transformations(error)
+      if isinstance(error, ValueError):
+        _reraise_oryx_error(error, api)
+      raise
+    records = {name: reap.value for name, reap in collector.reaps.items()}
+    records.update(_assemble(collector.arrivals, api))
+    return out, records
+
+  return wrapped
+
+
+def _assemble(arrivals, api):
+  """Pairs site and record sows, then stacks the calls of each name."""
+  sites, records = [], collections.defaultdict(list)
+  for sow_name, value in arrivals:
+    name, kind, component, uid = _sites.parse_sow_name(sow_name)
+    if kind == _sites.SITE:
+      sites.append((name, component, uid, value))
+    else:
+      records[uid].append((name, component, value))
+  for values in records.values():
+    # One uid arrives several times when JAX reuses a trace; its backward pass
+    # reaches the calls in reverse.
+    values.reverse()
+  calls = collections.defaultdict(lambda: collections.defaultdict(list))
+  for name, component, uid, (primals, shapes) in sites:
+    if records[uid]:
+      cotangents = records[uid].pop(0)[2]
+    else:  # No backward pass reached this call: its cotangents are zero.
+      cotangents = jax.tree.map(lambda s: jnp.zeros(s.shape[:-1], s.dtype), shapes)
+    calls[name][component].append(
+        (primals, cotangents) if component == _sites.INPUTS else cotangents
+    )
+  for name, component, cotangents in itertools.chain(*reversed(records.values())):
+    # Records whose site sow came before the reap (reaping the pullback of jax.vjp)
+    # or went to an inner reap: in forward order, after the paired ones.
+    calls[name][component].append(
+        (None, cotangents) if component == _sites.INPUTS else cotangents
+    )
+  result = {}
+  for name, by_component in calls.items():
+    stacked = {c: _stack(api, name, values) for c, values in by_component.items()}
+    if set(stacked) == {_sites.COTANGENT}:
+      result[name] = stacked[_sites.COTANGENT]
+    elif _sites.COTANGENT not in stacked:
+      primals, in_cotangents = stacked.get(_sites.INPUTS, (None, None))
+      result[name] = VJPRecord(primals, stacked.get(_sites.OUTPUT), in_cotangents)
+    else:
+      raise ValueError(
+          f"{api}: record {name!r} is made both by record_vjp(..., full=True) and by "
+          "tap or record_vjp without full=True, so its records have different kinds. "
+          "Give the sites distinct names."
+      )
+  return dict(sorted(result.items()))
+
+
+def _describe(record):
+  return jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", record)
+
+
+def _stack(api, name, values):
+  if len(values) == 1:
+    return values[0]
+  first = values[0]
+  for index, value in enumerate(values[1:], start=1):
+    same_tree = jax.tree.structure(value) == jax.tree.structure(first)
+    if not same_tree or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(value))
+    ):
+      raise ValueError(
+          f"{api}: record {name!r} was made by {len(values)} calls, and calls 0 and "
+          f"{index} recorded {_describe(first)} and {_describe(value)}, which cannot "
+          f"be stacked. Give each call its own name, e.g. "
+          f"record_vjp(f, name='{name}_{index}')."
+      )
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *values)
+
+
+def _close_suspended_transformations(error):
+  """Closes the `lu.transformation` generators an error left suspended, innermost first.
+
+  Oryx reaps `jit`, `scan` and `cond` bodies inside old-style JAX transformations
+  (`jax._src.linear_util.transformation`) that hold a harvest trace open across a
+  `yield`. An error inside leaves them suspended, referenced by the traceback; when
+  the traceback is collected later (pytest and notebooks keep it a while), closing
+  them resets JAX's current trace to a stale one, and every later JAX call fails with
+  an UnexpectedTracerError. So close them now, and keep the current trace.
+  """
+  frames, seen = {}, set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    tb = error.__traceback__
+    while tb is not None:
+      frame = tb.tb_frame  # JAX filters tracebacks, so also walk up from each frame.
+      while frame is not None and id(frame) not in frames:
+        frames[id(frame)] = frame
+        frame = frame.f_back
+      tb = tb.tb_next
+    error = error.__cause__ or error.__context__
+  suspended = []  # (depth of the frame that holds the generator, generator)
+  for frame in frames.values():
+    gen = frame.f_locals.get("gen_inst")
+    if inspect.isgenerator(gen) and inspect.getgeneratorstate(gen) == inspect.GEN_SUSPENDED:
+      suspended.append((_depth(frame), gen))
+  # Each generator restores the trace that was current when it started, which is
+  # stale by now: close them innermost first, then put back the current trace.
+  with jax_core.take_current_trace():
+    for _, gen in sorted(suspended, key=lambda item: -item[0]):
+      gen.close()
+
+
+def _depth(frame):
+  depth = 0
+  while frame is not None:
+    depth, frame = depth + 1, frame.f_back
+  return depth
+
+
+def _reraise_oryx_error(error, api):
+  """Re-raises an Oryx harvest error about a record site in words about the site."""
+  message = str(error)
+  sow_names = [word.strip("'`.:") for word in message.split()]
+  sites = [_sites.parse_sow_name(word) for word in sow_names]
+  name = next((site[0] for site in sites if site), None)
+  if name is None:
+    return
+  if "already been reaped" in message:
+    raise ValueError(
+        f"{api}: record {name!r} comes from a function that JAX traced once and "
+        "called several times inside a jax.jit or jax.checkpoint body, and Oryx "
+        "cannot reap one trace twice there. Apply jax.jit to the whole step "
+        "instead of to the repeated function, or give each call its own record "
+        "name."
+    ) from error
+  if "while_loop" in message:
+    raise ValueError(
+        f"{api}: record {name!r} is made inside lax.while_loop (or lax.fori_loop "
+        "with traced bounds), whose iterations cannot be stacked. Use lax.scan or "
+        "lax.fori_loop with Python int bounds (a scan), or reap inside the loop "
+        "body with call_and_reap and carry what you need."
+    ) from error
+  raise ValueError(f"{api}: record {name!r}: {message}") from error

@@ -1,0 +1,27 @@
+"""Shared test helpers: the ways a reaped function is run, and tolerances."""
+
+import jax
+import numpy as np
+import pytest
+
+# How a reaped function is run: as it is, under jit outside the reap, and with
+# jit applied inside the reap (to the differentiated function).
+VARIANTS = {
+    "eager": lambda reaper, f: reaper(f),
+    "jit_outside": lambda reaper, f: jax.jit(reaper(f)),
+    "jit_inside": lambda reaper, f: reaper(jax.jit(f)),
+}
+
+
+@pytest.fixture(params=list(VARIANTS), ids=list(VARIANTS))
+def variant(request):
+  return VARIANTS[request.param]
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+  """Asserts two pytrees have the same structure and close leaves."""
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), (
+      jax.tree.structure(actual), jax.tree.structure(expected))
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    assert np.shape(a) == np.shape(e), (np.shape(a), np.shape(e))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
