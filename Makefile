@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 	$(BIN)/python examples/02_seed_qmvm.py
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest oryx_gradlog tests examples -q
+	$(BIN)/python -m pytest oryx_gradlog tests -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info
