@@ -1,4 +1,4 @@
-"""Oryx reap rules for `lax.scan` and `lax.cond` that record sites need.
+"""Oryx reap rules for `lax.scan`, `lax.cond` and sharded `jit` that record sites need.
 
 Oryx reaps a `scan` or `cond` body by rebuilding the loop or the branches so that
 they also return the body's sows. Two cases that record sites hit every day fail in
@@ -18,10 +18,14 @@ Oryx 0.2.9, and importing `oryx_gradlog` installs rules for them in Oryx's
   number of sows" / "Missing sow in branch". A record site in one branch only is
   exactly that. Our rule has each branch return the records of all branches, with
   zeros for the ones it does not make.
+* `jit` with `in_shardings`/`out_shardings` (data parallelism inside the reaped
+  function): Oryx refuses it ("oryx only supports pjit which has no
+  in_axis_resources"). Our rule compiles the reaped body with the same shardings and
+  leaves the records' shardings to XLA, which keeps them like their activations.
 
 Sharp edges:
-  * Both rules take over only in those cases; other scans and conds (clobber sows,
-    matching branches) go to Oryx's own rules unchanged. The registry is global, so
+  * These rules take over only in those cases; other scans, conds and jits (clobber
+    sows, matching branches, no shardings) go to Oryx's own rules unchanged. The registry is global, so
     this applies to every Oryx reap in the process.
   * The canary tests in `tests/test_oryx_canaries.py` fail loudly when an Oryx
     release fixes these cases, so the rules can then be deleted.
@@ -35,11 +39,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jax_core
+from jax._src import pjit
+from jax._src.sharding_impls import UnspecifiedValue
 from jax.extend.core import jaxpr_as_fun
 from oryx.core.interpreters import harvest
 
 _oryx_scan_rule = harvest.reap_custom_rules[lax.scan_p]
 _oryx_cond_rule = harvest.reap_custom_rules[lax.cond_p]
+_oryx_pjit_rule = harvest.reap_custom_rules[pjit.pjit_p]
 
 
 def _reap_settings(trace) -> dict[str, Any]:
@@ -117,5 +124,23 @@ def _reap_cond_rule(trace, index, *ops, branches, **params):
   return out
 
 
+def _reap_pjit_rule(trace, *invals, jaxpr, in_shardings, out_shardings, **params):
+  if all(isinstance(s, UnspecifiedValue) for s in (*in_shardings, *out_shardings)):
+    return _oryx_pjit_rule(trace, *invals, jaxpr=jaxpr, in_shardings=in_shardings,
+                           out_shardings=out_shardings, **params)
+  body = harvest.call_and_reap(jaxpr_as_fun(jaxpr), **_reap_settings(trace))
+  unspecified = lambda shardings: [None if isinstance(s, UnspecifiedValue) else s
+                                   for s in shardings]
+  with jax_core.set_current_trace(trace.parent_trace):
+    out, reaps = jax.jit(
+        body,
+        in_shardings=unspecified(in_shardings),
+        out_shardings=(unspecified(out_shardings), None),
+    )(*invals)
+  _resow(trace, reaps)
+  return out
+
+
 harvest.reap_custom_rules[lax.scan_p] = _reap_scan_rule
 harvest.reap_custom_rules[lax.cond_p] = _reap_cond_rule
+harvest.reap_custom_rules[pjit.pjit_p] = _reap_pjit_rule

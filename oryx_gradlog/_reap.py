@@ -239,6 +239,8 @@ def _depth(frame):
 def _reraise_oryx_error(error, api):
   """Re-raises an Oryx harvest error about a record site in words about the site."""
   message = str(error)
+  if message.startswith("record "):  # Raised by a record site's own rule.
+    raise ValueError(f"{api}: {message}") from error
   sow_names = [word.strip("'`.:") for word in message.split()]
   sites = [_sites.parse_sow_name(word) for word in sow_names]
   name = next((site[0] for site in sites if site), None)

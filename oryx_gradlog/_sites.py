@@ -26,8 +26,11 @@ Sharp edges:
   * Leaves that are not floating point (integers, booleans) have no cotangent; their
     place in a record is `None`.
   * Under `vmap`, the batch axis of a record is moved to the front, so per-example
-    records read `(batch, ...)`. A cotangent that does not vary across the batch
-    stays unbatched.
+    records read `(batch, ...)`, also for a cotangent that does not vary across the
+    batch (it is broadcast, as the site's other leaves are).
+  * Inside `shard_map`, reap inside the per-shard function and return the records
+    through `out_specs`; a reap outside the `shard_map` cannot see into it, and
+    (with the default `check_rep=True`) a site there is an error that says so.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import shard_map
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from oryx.core import sow
+from oryx.core.interpreters.harvest import sow_p
 
 DEFAULT_TAG = "vjp"
 
@@ -155,6 +160,36 @@ ad.primitive_jvps[after_p] = lambda primals, tangents: (
 ad.primitive_transposes[after_p] = lambda cts, *args: [None, *cts]
 
 
+def _shard_map_rules(primitive: Primitive, n_residuals: int) -> None:
+  """Replication rules for `shard_map(check_rep=True)`: outputs are replicated as
+  the operands they are identities of."""
+  check = lambda mesh, *in_rep, **_: list(in_rep[n_residuals:])
+  shard_map.register_check(primitive)(check)
+  shard_map.register_norewrite(primitive)
+
+
+for _primitive, _n_residuals in ((site_p, 0), (cotangent_p, 1), (batch_first_p, 1), (after_p, 1)):
+  _shard_map_rules(_primitive, _n_residuals)
+
+_oryx_sow_check = shard_map._check_rules[sow_p]  # pylint: disable=protected-access
+
+
+def _sow_check(mesh, *in_rep, name, **params):
+  """A record-site sow left in a `shard_map` body means the reap is outside it."""
+  site = parse_sow_name(name)
+  if site is not None:
+    raise ValueError(
+        f"record {site[0]!r} is made inside a shard_map body by a reap outside it, "
+        "which Oryx cannot reap through. Reap inside the per-shard function instead, "
+        "e.g. `grads, records = gl.call_and_reap(jax.grad(local_loss))(...)`, and "
+        "return the records through out_specs (P('data') for per-example records)."
+    )
+  return _oryx_sow_check(mesh, *in_rep, name=name, **params)
+
+
+shard_map._check_rules[sow_p] = _sow_check  # pylint: disable=protected-access
+
+
 def _shape_witness(x):
   """A zero-size array with the shape, dtype and batch axes of `x`, plus one axis."""
   return jnp.asarray(x)[..., None][..., :0]
@@ -164,7 +199,9 @@ def _site_jvp(primals, tangents, *, name, tag, component, treedef, mask, full):
   uid = next(_uids)
   masked = [p for p, m in zip(primals, mask) if m]
   # Zero-size, and batched under a vmap exactly when some leaf of the site is.
-  batch = jnp.concatenate([jnp.ravel(p)[:0].astype(jnp.float32) for p in masked])
+  batch = jnp.ravel(masked[0])[:0]
+  for p in masked[1:]:
+    (batch,) = batch_first_p.bind(jnp.ravel(p)[:0], batch)
   fill = iter(batch_first_p.bind(batch, *map(_shape_witness, masked)))
   _, sown_shapes = sow(
       (treedef.unflatten(primals) if full else None,
