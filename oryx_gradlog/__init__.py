@@ -23,15 +23,33 @@ from oryx_gradlog._record import (
     record_vjp,
     tap,
 )
+from oryx_gradlog._running import (
+    RunningStats,
+    StatisticsTransform,
+    running_statistics,
+)
 from oryx_gradlog._sites import DEFAULT_TAG
+from oryx_gradlog._summaries import (
+    Logged,
+    Summary,
+    magnitude_bins,
+    summarize,
+)
 
 __version__ = "0.1.0"
 
 __all__ = (
     "DEFAULT_TAG",
+    "Logged",
+    "RunningStats",
+    "StatisticsTransform",
+    "Summary",
     "VJPRecord",
     "call_and_reap",
+    "magnitude_bins",
     "reap",
     "record_vjp",
+    "running_statistics",
+    "summarize",
     "tap",
 )

@@ -10,7 +10,9 @@ from oryx_gradlog import _compat
 
 def test_all_is_the_documented_api():
   assert sorted(gl.__all__) == [
-      "DEFAULT_TAG", "VJPRecord", "call_and_reap", "reap", "record_vjp", "tap"]
+      "DEFAULT_TAG", "Logged", "RunningStats", "StatisticsTransform", "Summary", "VJPRecord",
+      "call_and_reap", "magnitude_bins", "reap", "record_vjp", "running_statistics",
+      "summarize", "tap"]
   assert gl.DEFAULT_TAG == "vjp"
 
 

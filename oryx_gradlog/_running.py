@@ -1,0 +1,153 @@
+"""Running statistics of records across training steps, as a functional state.
+
+In the optax style: `running_statistics(...)` returns a `StatisticsTransform` whose
+`init(records)` builds a state pytree and `update(state, records)` folds in one
+step's records. Both are pure, so they run inside a jitted step or a `lax.scan` over
+steps, and the state's size does not grow with the number of steps: per record leaf
+it holds element-wise counts, a Welford mean and sum of squared deviations (stable
+for long runs), an exponential moving average, element-wise min and max, and the
+magnitude histogram of every entry seen.
+
+Sharp edges:
+  * Non-finite entries (NaN, inf) are skipped element by element: `count` says how
+    many finite values each element has seen, and `nonfinite` how many were skipped.
+  * The records' structure and shapes must stay the same from step to step (they do
+    under `jit`); a change is an error that names the record.
+  * `ema` starts at zero; `debiased_ema` divides by `1 - decay ** steps` as Adam does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from oryx_gradlog._summaries import DEFAULT_BINS, magnitude_histogram
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["steps", "count", "mean", "m2", "ema", "min", "max", "nonfinite",
+                 "histogram"],
+    meta_fields=["decay"],
+)
+@dataclasses.dataclass(frozen=True)
+class RunningStats:
+  """Running statistics of one record leaf over the steps seen so far.
+
+  Attributes:
+    steps: number of updates.
+    count: per element, the number of finite values seen.
+    mean: per element, the running mean (Welford).
+    m2: per element, the sum of squared deviations from the mean (Welford).
+    ema: per element, the exponential moving average (biased towards 0 early on).
+    min: per element, the smallest finite value seen.
+    max: per element, the largest finite value seen.
+    nonfinite: per element, the number of NaN or infinite values skipped.
+    histogram: magnitude histogram of all finite entries of all steps.
+    decay: the EMA decay (static).
+  """
+
+  steps: jax.Array
+  count: jax.Array
+  mean: jax.Array
+  m2: jax.Array
+  ema: jax.Array
+  min: jax.Array
+  max: jax.Array
+  nonfinite: jax.Array
+  histogram: jax.Array
+  decay: float
+
+  @property
+  def variance(self) -> jax.Array:
+    """Per element, the population variance of the finite values seen."""
+    return self.m2 / jnp.maximum(self.count, 1)
+
+  @property
+  def debiased_ema(self) -> jax.Array:
+    """The EMA divided by `1 - decay ** steps`."""
+    return self.ema / jnp.maximum(1 - self.decay ** self.steps.astype(jnp.float32), 1e-12)
+
+
+class StatisticsTransform(NamedTuple):
+  """A pair of pure functions, as an optax `GradientTransformation` is."""
+
+  init: Any
+  update: Any
+
+
+def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsTransform:
+  """Returns `init`/`update` functions that keep running statistics of records.
+
+  Args:
+    decay: decay of the exponential moving average.
+    bins: magnitude histogram edges (default `magnitude_bins()`).
+
+  Returns:
+    A `StatisticsTransform`: `init(records)` gives a state with the structure of
+    `records` and a `RunningStats` per leaf; `update(state, records)` returns the
+    state with one more step folded in.
+
+  Example:
+    >>> import jax.numpy as jnp, oryx_gradlog as gl
+    >>> stats = gl.running_statistics(decay=0.5)
+    >>> state = stats.init({"h": jnp.zeros(2)})
+    >>> for step in range(3):
+    ...   state = stats.update(state, {"h": jnp.array([1.0, 2.0]) * step})
+    >>> state["h"].mean, state["h"].variance
+    (Array([1., 2.], dtype=float32), Array([0.6666667, 2.6666667], dtype=float32))
+  """
+
+  def init_leaf(x):
+    x = jnp.asarray(x, jnp.float32)
+    zeros = jnp.zeros(x.shape, jnp.float32)
+    return RunningStats(
+        steps=jnp.zeros((), jnp.int32), count=jnp.zeros(x.shape, jnp.int32), mean=zeros,
+        m2=zeros, ema=zeros, min=jnp.full(x.shape, jnp.inf), max=jnp.full(x.shape, -jnp.inf),
+        nonfinite=jnp.zeros(x.shape, jnp.int32),
+        histogram=jnp.zeros((len(bins) + 1,), jnp.int32), decay=decay)
+
+  def update_leaf(stats: RunningStats, x) -> RunningStats:
+    x = jnp.asarray(x, jnp.float32)
+    finite = jnp.isfinite(x)
+    value = jnp.where(finite, x, 0.0)
+    count = stats.count + finite
+    delta = jnp.where(finite, value - stats.mean, 0.0)
+    mean = stats.mean + delta / jnp.maximum(count, 1)
+    return RunningStats(
+        steps=stats.steps + 1,
+        count=count,
+        mean=mean,
+        m2=stats.m2 + delta * jnp.where(finite, value - mean, 0.0),
+        ema=jnp.where(finite, decay * stats.ema + (1 - decay) * value, stats.ema),
+        min=jnp.where(finite, jnp.minimum(stats.min, value), stats.min),
+        max=jnp.where(finite, jnp.maximum(stats.max, value), stats.max),
+        nonfinite=stats.nonfinite + ~finite,
+        histogram=stats.histogram + magnitude_histogram(value.ravel(), finite.ravel(), bins),
+        decay=decay,
+    )
+
+  def init(records):
+    return jax.tree.map(init_leaf, records)
+
+  def update(state, records):
+    is_stats = lambda node: isinstance(node, RunningStats)
+    for name in set(state) | set(records):
+      old, new = state.get(name), records.get(name)
+      if old is None or new is None or (
+          jax.tree.structure(old, is_leaf=is_stats) != jax.tree.structure(new)
+          or any(s.mean.shape != jnp.shape(x) for s, x in zip(
+              jax.tree.leaves(old, is_leaf=is_stats), jax.tree.leaves(new)))):
+        raise ValueError(
+            f"running_statistics.update: record {name!r} does not match the state "
+            f"it updates (state has {jax.tree.map(lambda s: s.mean.shape, old, is_leaf=is_stats)}"
+            f", records have {jax.tree.map(jnp.shape, new)}). Records must keep their "
+            "names, structure and shapes from step to step; init a new state for new ones."
+        )
+    return jax.tree.map(update_leaf, state, records, is_leaf=is_stats)
+
+  return StatisticsTransform(init, update)

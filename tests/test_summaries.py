@@ -1,0 +1,109 @@
+"""Summaries and running statistics against numpy on the full history."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oryx_gradlog as gl
+
+BINS = gl.magnitude_bins(1e-3, 1e2, 11)
+
+
+def _numpy_histogram(x, bins=BINS):
+  magnitudes = np.abs(x[np.isfinite(x)])
+  return np.histogram(magnitudes, bins=np.concatenate([[0.0], bins, [np.inf]]))[0]
+
+
+def _records_with_bad_values(seed=0, shape=(3, 5, 4)):
+  x = np.random.default_rng(seed).normal(size=shape).astype(np.float32) * 10.0
+  x[0, 1, 2], x[2, 0, 0], x[1, 4, 3] = np.nan, np.inf, 0.0
+  return x
+
+
+@pytest.mark.parametrize("keep_axes", [0, 1, 2])
+def test_summary_matches_numpy(keep_axes):
+  x = _records_with_bad_values()
+  summary = jax.jit(lambda x: gl.summarize({"r": x}, keep_axes=keep_axes, bins=BINS))(x)
+  summary = summary["r"].summary
+  flat = x.reshape(x.shape[:keep_axes] + (-1,))
+  for index in np.ndindex(*x.shape[:keep_axes]):
+    row = flat[index]
+    finite = row[np.isfinite(row)]
+    np.testing.assert_allclose(summary.norm[index], np.linalg.norm(finite), rtol=1e-5)
+    np.testing.assert_allclose(summary.mean[index], finite.mean(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(summary.variance[index], finite.var(), rtol=1e-5)
+    assert summary.min[index] == finite.min() and summary.max[index] == finite.max()
+    assert summary.nonfinite[index] == np.sum(~np.isfinite(row))
+    np.testing.assert_array_equal(summary.histogram[index], _numpy_histogram(row))
+
+
+def test_keep_full_summary_or_both_by_pattern():
+  records = {"dense1": jnp.ones(3), "dense2": (jnp.ones(2), None), "h": jnp.arange(3.0)}
+  logged = gl.summarize(records, full=("h", "dense1"), summary="dense*")
+  assert set(logged) == {"dense1", "dense2", "h"}
+  assert logged["h"].summary is None and logged["h"].full is records["h"]
+  assert logged["dense1"].full is records["dense1"]
+  assert float(logged["dense1"].summary.norm) == pytest.approx(np.sqrt(3))
+  assert logged["dense2"].full is None and logged["dense2"].summary[1] is None
+  assert gl.summarize(records, summary="none*") == {}
+
+
+def test_too_many_keep_axes_names_the_record():
+  with pytest.raises(ValueError, match=r"summarize: record 'h' has shape \(3,\), fewer than "
+                     r"keep_axes=2 axes.*smaller keep_axes"):
+    gl.summarize({"h": jnp.ones(3)}, keep_axes=2)
+
+
+def test_per_example_norms_from_a_vmapped_reap():
+  dense = gl.record_vjp(lambda x, w: jnp.tanh(x @ w), name="dense")
+  loss = lambda w, x: jnp.sum(jnp.sin(dense(x, w)) ** 2)
+  w, x = jnp.ones((4, 3)) * 0.3, jnp.arange(20.0).reshape(5, 4) / 10
+
+  @jax.jit
+  def step(w, x):
+    records = gl.reap(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(w, x)
+    return gl.summarize(records, keep_axes=1)  # One norm per example.
+
+  norms = step(w, x)["dense"].summary[1].norm
+  per_example = jax.vmap(jax.grad(lambda d, x: jnp.sum(jnp.sin(jnp.tanh(x @ (w + d))) ** 2)),
+                         in_axes=(None, 0))(jnp.zeros_like(w), x)
+  np.testing.assert_allclose(norms, np.linalg.norm(per_example.reshape(5, -1), axis=1),
+                             rtol=1e-5)
+
+
+def test_running_statistics_match_numpy_over_the_history():
+  history = np.stack([_records_with_bad_values(seed) for seed in range(12)])
+  decay = 0.9
+  stats = gl.running_statistics(decay=decay, bins=BINS)
+
+  @jax.jit
+  def run(history):
+    def step(state, x):
+      return stats.update(state, {"r": (x, x[0])}), None
+    return jax.lax.scan(step, stats.init({"r": (history[0], history[0, 0])}), history)[0]
+
+  state = run(history)["r"][0]
+  masked = np.ma.masked_invalid(history)
+  np.testing.assert_array_equal(state.count, (~masked.mask).sum(0))
+  np.testing.assert_allclose(state.mean, masked.mean(0).filled(0), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(state.variance, masked.var(0).filled(0), rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(state.min, masked.min(0).filled(np.inf))
+  np.testing.assert_array_equal(state.max, masked.max(0).filled(-np.inf))
+  np.testing.assert_array_equal(state.nonfinite, masked.mask.sum(0))
+  np.testing.assert_array_equal(state.histogram, _numpy_histogram(history.ravel()))
+  ema = np.zeros(history.shape[1:], np.float32)
+  for x in history:
+    ema = np.where(np.isfinite(x), decay * ema + (1 - decay) * np.nan_to_num(x), ema)
+  np.testing.assert_allclose(state.ema, ema, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(state.debiased_ema, ema / (1 - decay ** 12), rtol=1e-5, atol=1e-5)
+  assert int(state.steps) == 12
+
+
+def test_running_statistics_reject_changed_records():
+  stats = gl.running_statistics()
+  state = stats.init({"h": jnp.zeros(3)})
+  with pytest.raises(ValueError, match=r"running_statistics.update: record 'h' does not match"):
+    stats.update(state, {"h": jnp.zeros(4)})
+  with pytest.raises(ValueError, match=r"record 'g' does not match"):
+    stats.update(state, {"h": jnp.zeros(3), "g": jnp.zeros(3)})
