@@ -1,5 +1,6 @@
 # Two commands on a fresh machine with Python 3.11 and make:
-#   make demo   creates .venv, installs the package, runs the main example
+#   make demo   creates .venv, installs the package, trains the digits MLP with every
+#               step's cotangents logged to runs/digits, and writes runs/digits/report
 #   make test   creates .venv, installs the package with its test extras, runs pytest
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,11 +13,11 @@ $(BIN)/python:
 
 $(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,store,report,demo]"
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python examples/02_seed_qmvm.py
+	$(BIN)/python examples/08_digits_training.py --run-dir runs/digits
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest oryx_gradlog tests -q

@@ -23,12 +23,18 @@ from oryx_gradlog._record import (
     record_vjp,
     tap,
 )
+from oryx_gradlog._report import report
 from oryx_gradlog._running import (
     RunningStats,
     StatisticsTransform,
     running_statistics,
 )
 from oryx_gradlog._sites import DEFAULT_TAG
+from oryx_gradlog._tensorboard import export_tensorboard
+from oryx_gradlog._store import (
+    RunLog,
+    open_run,
+)
 from oryx_gradlog._summaries import (
     Logged,
     Summary,
@@ -41,13 +47,17 @@ __version__ = "0.1.0"
 __all__ = (
     "DEFAULT_TAG",
     "Logged",
+    "RunLog",
     "RunningStats",
     "StatisticsTransform",
     "Summary",
     "VJPRecord",
     "call_and_reap",
+    "export_tensorboard",
     "magnitude_bins",
+    "open_run",
     "reap",
+    "report",
     "record_vjp",
     "running_statistics",
     "summarize",

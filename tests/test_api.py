@@ -10,9 +10,9 @@ from oryx_gradlog import _compat
 
 def test_all_is_the_documented_api():
   assert sorted(gl.__all__) == [
-      "DEFAULT_TAG", "Logged", "RunningStats", "StatisticsTransform", "Summary", "VJPRecord",
-      "call_and_reap", "magnitude_bins", "reap", "record_vjp", "running_statistics",
-      "summarize", "tap"]
+      "DEFAULT_TAG", "Logged", "RunLog", "RunningStats", "StatisticsTransform", "Summary",
+      "VJPRecord", "call_and_reap", "export_tensorboard", "magnitude_bins", "open_run", "reap",
+      "record_vjp", "report", "running_statistics", "summarize", "tap"]
   assert gl.DEFAULT_TAG == "vjp"
 
 

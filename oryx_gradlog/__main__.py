@@ -1,0 +1,33 @@
+"""Command line: `python -m oryx_gradlog report RUN_DIR` (also `oryx-gradlog report`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="oryx-gradlog", description=__doc__)
+  commands = parser.add_subparsers(dest="command", required=True)
+  report = commands.add_parser("report", help="write PNG plots and an HTML page of a run")
+  report.add_argument("run_dir")
+  report.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
+  board = commands.add_parser("tensorboard", help="export summaries to TensorBoard files")
+  board.add_argument("run_dir")
+  board.add_argument("--logdir", default=None, help="default RUN_DIR/tensorboard")
+  args = parser.parse_args(argv)
+
+  from oryx_gradlog import _report, _tensorboard  # pylint: disable=import-outside-toplevel
+  try:
+    if args.command == "report":
+      print(_report.report(args.run_dir, args.out))
+    else:
+      print(_tensorboard.export_tensorboard(args.run_dir, args.logdir))
+  except (FileNotFoundError, ValueError, ImportError) as error:
+    print(f"oryx-gradlog {args.command}: {error}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,169 @@
+"""The report: PNG plots and an HTML page of a run's gradient summaries.
+
+`report(run_dir)` reads the summaries that `RunLog` stored (any variable group with
+`norm`, `histogram`, `nonfinite`, ... leaves, as `summarize` makes them) and writes,
+into `run_dir/report/`:
+
+* `norms.png`: the L2 norm of every summarized record over steps, log scale, one
+  line per record (and per call, when a leading `call` dim was named);
+* `<record>.histogram.png`: a heat map of the magnitude histogram over steps;
+* `per_example.png`: per-example norm quantiles (5/25/50/75/95 %) over steps, for
+  records whose summaries kept an `example` dim;
+* `nonfinite.png`: counts of NaN/inf entries over steps;
+* `index.html`: all of the above and a table of the last step.
+
+`python -m oryx_gradlog report RUN_DIR` (or the console script `oryx-gradlog`) runs it.
+
+Sharp edges:
+  * Only summaries are plotted; full records stay in the store for your own analysis.
+  * Leading dims other than `call` and `example` are averaged (norm) or summed
+    (histogram, non-finite counts) in the plots.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from oryx_gradlog._store import _require, open_run
+
+_STATS = ("norm", "mean", "variance", "min", "max", "nonfinite")
+
+
+def summary_groups(names: Iterable[str]) -> list[str]:
+  """Returns the prefixes `P` for which the run has `P.norm` and `P.histogram`."""
+  names = set(names)
+  return sorted(name[: -len(".norm")] for name in names
+                if name.endswith(".norm") and name[: -len(".norm")] + ".histogram" in names)
+
+
+def _record_name(group: str) -> str:
+  return group.split(".summary", 1)[0]
+
+
+def _reduce(array, keep: Iterable[str], how: str):
+  """Reduces an xarray DataArray over all dims but `keep`."""
+  other = [d for d in array.dims if d not in keep]
+  return getattr(array, how)(dim=other) if other else array
+
+
+def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+           *, progress: bool = True) -> str:
+  """Writes the plots and `index.html` of a run; returns the path of the HTML page.
+
+  Args:
+    run_dir: a run folder written by `RunLog`.
+    out_dir: where to write (default `run_dir/report`).
+    progress: show a progress bar while reading.
+
+  Returns:
+    The path of `index.html`.
+  """
+  matplotlib = _require("matplotlib", "report")
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  tqdm = _require("tqdm", "report").tqdm
+
+  dataset = open_run(run_dir)
+  out_dir = os.fspath(out_dir or os.path.join(os.fspath(run_dir), "report"))
+  os.makedirs(out_dir, exist_ok=True)
+  groups = summary_groups(dataset.data_vars)
+  if not groups:
+    raise ValueError(
+        f"report({os.fspath(run_dir)!r}): the run has no summaries (variables P.norm and "
+        "P.histogram). Log gl.summarize(records) with RunLog.append to get a report.")
+  steps = dataset["step"].values
+  edges = np.asarray(dataset.attrs.get("magnitude_bins", []), dtype=np.float64)
+  data = {}
+  for group in tqdm(groups, desc="reading summaries", disable=not progress):
+    data[group] = {stat: dataset[f"{group}.{stat}"].load()
+                   for stat in (*_STATS, "histogram") if f"{group}.{stat}" in dataset}
+
+  images = []
+
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  for group in groups:
+    norm = _reduce(data[group]["norm"], ("step", "call"), "mean")
+    if "call" in norm.dims:
+      for call in range(norm.sizes["call"]):
+        ax.plot(steps, norm.isel(call=call).values, label=f"{_record_name(group)} call {call}")
+    else:
+      ax.plot(steps, norm.values, label=_record_name(group))
+  ax.set(yscale="log", xlabel="step", ylabel="L2 norm (mean over examples, if any)",
+         title="Gradient norm per record")
+  ax.legend(fontsize="small")
+  images.append(_save(fig, out_dir, "norms.png", plt))
+
+  for group in groups:
+    hist = _reduce(data[group]["histogram"], ("step", "magnitude_bin"), "sum")
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    counts = np.log10(1 + hist.transpose("magnitude_bin", "step").values)
+    mesh = ax.imshow(counts, aspect="auto", origin="lower", interpolation="nearest",
+                     extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, counts.shape[0] - 0.5))
+    ticks = np.arange(1, counts.shape[0], 4)
+    ax.set_yticks(ticks - 0.5, [f"{edges[t - 1]:.0e}" for t in ticks])
+    ax.set(xlabel="step", ylabel="|cotangent| (bin lower edge)",
+           title=f"{_record_name(group)}: histogram of |cotangent| over steps")
+    fig.colorbar(mesh, ax=ax, label="log10(1 + count)")
+    images.append(_save(fig, out_dir, f"{group}.histogram.png", plt))
+
+  per_example = [g for g in groups if "example" in data[g]["norm"].dims]
+  if per_example:
+    fig, axes = plt.subplots(len(per_example), 1, figsize=(8, 2.8 * len(per_example)),
+                             squeeze=False)
+    for ax, group in zip(axes[:, 0], per_example):
+      norm = _reduce(data[group]["norm"], ("step", "example"), "mean")
+      q = np.percentile(norm.transpose("step", "example").values, [5, 25, 50, 75, 95], axis=1)
+      ax.fill_between(steps, q[0], q[4], alpha=0.2, label="5-95 %")
+      ax.fill_between(steps, q[1], q[3], alpha=0.4, label="25-75 %")
+      ax.plot(steps, q[2], label="median")
+      ax.set(yscale="log", ylabel="per-example norm", title=_record_name(group))
+      ax.legend(fontsize="small")
+    axes[-1, 0].set_xlabel("step")
+    images.append(_save(fig, out_dir, "per_example.png", plt))
+
+  fig, ax = plt.subplots(figsize=(8, 3.5))
+  for group in groups:
+    ax.plot(steps, _reduce(data[group]["nonfinite"], ("step",), "sum").values,
+            label=_record_name(group))
+  ax.set(xlabel="step", ylabel="NaN/inf entries", title="Non-finite cotangent entries")
+  ax.legend(fontsize="small")
+  images.append(_save(fig, out_dir, "nonfinite.png", plt))
+
+  rows = []
+  for group in groups:
+    last = {stat: float(_reduce(data[group][stat].isel(step=-1), (),
+                                "sum" if stat == "nonfinite" else "mean"))
+            for stat in _STATS if stat in data[group]}
+    rows.append("<tr><td>" + html.escape(group) + "</td>" +
+                "".join(f"<td>{last.get(stat, float('nan')):.4g}</td>" for stat in _STATS) +
+                "</tr>")
+  page = os.path.join(out_dir, "index.html")
+  config = html.escape(str(dataset.attrs.get("config", {})))
+  with open(page, "w", encoding="utf-8") as f:
+    f.write(
+        "<!doctype html><html><head><meta charset='utf-8'><title>oryx_gradlog report</title>"
+        "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+        "td,th{padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>"
+        "</head><body>"
+        f"<h1>Gradient report: {html.escape(os.fspath(run_dir))}</h1>"
+        f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}), records: "
+        f"{html.escape(', '.join(sorted({_record_name(g) for g in groups})))}.</p>"
+        f"<p>config: {config}</p>"
+        f"<h2>Last step ({steps[-1]})</h2><table><tr><th>summary</th>" +
+        "".join(f"<th>{stat}</th>" for stat in _STATS) + "</tr>" + "".join(rows) +
+        "</table>" +
+        "".join(f"<h2>{html.escape(name)}</h2><img src='{html.escape(name)}' width='100%'>"
+                for name in images) +
+        "</body></html>")
+  return page
+
+
+def _save(fig, out_dir, name, plt) -> str:
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, name), dpi=90)
+  plt.close(fig)
+  return name

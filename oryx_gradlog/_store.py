@@ -1,0 +1,297 @@
+"""The on-disk log: records and summaries appended step by step to a zarr store.
+
+`RunLog` takes what a training step returns (records, `summarize` output, any pytree
+of arrays), hands it to a writer thread through a bounded queue, and returns at once:
+the copy to the host and the write happen off the training thread, so logging every
+step does not stall the device. Each leaf becomes one zarr array with a leading
+`step` axis, named by its tree path (`dense.summary.1.norm`), with xarray dimension
+names, so a run opens with `open_run(run_dir)` as an `xarray.Dataset` or with plain
+`zarr`/numpy.
+
+Crash safety: every step is one chunk of every array (never rewritten), zarr writes
+each file atomically, arrays grow ahead in blocks of steps, and the group attribute
+`committed_steps` is advanced only after all arrays of a step are written; readers
+(`open_run`) see the committed steps only. A run killed at any point (SIGKILL included)
+leaves a store that opens, with every committed step intact; `flush()` returns the
+number committed so far. `RunLog(run_dir, resume=True)` cuts any half-written step
+and appends after the committed ones. A failed write (disk full, read-only folder)
+stops the writer, leaves the committed steps as they are, and is raised, with the
+fix, by the next `append`, `flush` or `close`.
+
+Sharp edges:
+  * The queue holds whole steps (references to device arrays, no copies). With
+    `when_full="block"` (default) `append` waits for room; with `"drop"` it drops
+    the step, counts it in `dropped`, and the count is saved in the store.
+  * A leaf's shape and dtype must stay the same across steps. A leaf that first
+    appears at a later step is back-filled with NaN (0 for integers), as is a leaf
+    missing from a step.
+  * One step per chunk means one file per leaf per step: log summaries every step
+    and full records less often, or in separate runs, when there are many.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import os
+import platform
+import queue
+import threading
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+
+import jax
+import numpy as np
+
+from oryx_gradlog._summaries import DEFAULT_BINS
+
+STORE_NAME = "log.zarr"
+_STOP = object()
+
+
+def _require(module: str, api: str):
+  try:
+    return __import__(module)
+  except ImportError as error:
+    raise ImportError(
+        f"{api} needs the '{module}' package: pip install 'oryx_gradlog[store]'"
+    ) from error
+
+
+def _versions() -> dict[str, str]:
+  versions = {"python": platform.python_version()}
+  for package in ("jax", "jaxlib", "oryx", "oryx_gradlog", "zarr", "numpy"):
+    try:
+      versions[package] = metadata.version(package)
+    except metadata.PackageNotFoundError:
+      pass
+  return versions
+
+
+def _path_name(path) -> str:
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return ".".join(parts)
+
+
+def flatten_logged(logged: Any) -> dict[str, Any]:
+  """Flattens a pytree into `{dotted tree path: leaf}` (the store's variable names)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(logged)
+  return {_path_name(path): leaf for path, leaf in leaves}
+
+
+class RunLog:
+  """Appends a pytree of arrays per step to `run_dir/log.zarr`, off the training thread.
+
+  Args:
+    run_dir: the run folder; created if needed.
+    config: run metadata (JSON-serialisable), saved with library versions.
+    dims: names for the leading axes of leaves (after `step`), by fnmatch pattern
+      of the variable name, e.g. `{"dense.*": ("call", "example")}`.
+    queue_size: steps that may wait for the writer.
+    when_full: `"block"` or `"drop"` when the queue is full.
+    resume: append to an existing run instead of refusing to overwrite it.
+    bins: the magnitude histogram edges the summaries use, saved for the report.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, oryx_gradlog as gl
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir, config={"lr": 0.1}) as log:
+    ...   for step in range(3):
+    ...     log.append(step, {"h": {"norm": jnp.float32(step)}})
+    >>> gl.open_run(run_dir)["h.norm"].values
+    array([0., 1., 2.], dtype=float32)
+  """
+
+  def __init__(self, run_dir: str | os.PathLike, *, config: Mapping[str, Any] | None = None,
+               dims: Mapping[str, tuple[str, ...]] | None = None, queue_size: int = 8,
+               when_full: str = "block", resume: bool = False, bins=DEFAULT_BINS):
+    zarr = _require("zarr", "RunLog")
+    if when_full not in ("block", "drop"):
+      raise ValueError(f"RunLog(when_full={when_full!r}): use 'block' or 'drop'.")
+    self.run_dir = os.fspath(run_dir)
+    self._dims = dict(dims or {})
+    path = os.path.join(self.run_dir, STORE_NAME)
+    try:
+      os.makedirs(self.run_dir, exist_ok=True)
+      if os.path.exists(path) and not resume:
+        raise FileExistsError(
+            f"RunLog({self.run_dir!r}): the folder already holds a run. Pass resume=True to "
+            "append to it, or choose a new run_dir.")
+      self._root = zarr.open_group(store=path, mode="a")
+      self._committed = int(self._root.attrs.get("committed_steps", 0))
+      self._truncate_to_committed()
+      self._root.attrs.update({
+          "committed_steps": self._committed,
+          "config": dict(config or self._root.attrs.get("config", {})),
+          "versions": _versions(),
+          "started": self._root.attrs.get("started", _now()),
+          "dropped_steps": int(self._root.attrs.get("dropped_steps", 0)),
+          "magnitude_bins": [float(edge) for edge in bins],
+      })
+    except OSError as error:
+      if isinstance(error, FileExistsError):
+        raise
+      raise OSError(
+          f"RunLog({self.run_dir!r}): cannot write the run folder ({error}). Choose a "
+          "writable run_dir.") from error
+    self.dropped = int(self._root.attrs["dropped_steps"])
+    self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+    self._when_full = when_full
+    self._error: BaseException | None = None
+    self._closed = False
+    self._writer = threading.Thread(target=self._write_loop, name="gradlog-writer",
+                                    daemon=True)
+    self._writer.start()
+
+  # The training thread's side.
+
+  def append(self, step: int, logged: Any) -> None:
+    """Queues one step's pytree of arrays for writing; returns without waiting for it."""
+    self._raise_if_failed("append")
+    if self._closed:
+      raise RuntimeError(f"RunLog({self.run_dir!r}).append: the log is closed.")
+    if self._when_full == "drop":
+      try:
+        self._queue.put_nowait((int(step), logged))
+      except queue.Full:
+        self.dropped += 1
+    else:
+      self._queue.put((int(step), logged))
+
+  def flush(self) -> int:
+    """Waits until every queued step is written; returns the number of committed steps."""
+    self._queue.join()
+    self._raise_if_failed("flush")
+    return self._committed
+
+  @property
+  def committed_steps(self) -> int:
+    """Steps written in full so far (they survive a crash)."""
+    return self._committed
+
+  def close(self) -> None:
+    """Flushes, saves the drop count and stops the writer thread."""
+    if self._closed:
+      return
+    self._closed = True
+    self._queue.put(_STOP)
+    self._writer.join()
+    if self._error is None:
+      self._truncate_to_committed()  # Exact shapes for plain zarr readers.
+      self._root.attrs["dropped_steps"] = self.dropped
+    self._raise_if_failed("close")
+
+  def __enter__(self) -> RunLog:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    if exc_info[0] is None:
+      self.close()
+    else:  # Keep the original error; still stop the writer.
+      try:
+        self.close()
+      except Exception:  # noqa: BLE001
+        pass
+
+  def _raise_if_failed(self, api: str) -> None:
+    if self._error is not None:
+      raise RuntimeError(
+          f"RunLog({self.run_dir!r}).{api}: writing a step failed: {self._error}. The "
+          f"{self._committed} steps before it are saved intact. Free disk space or make "
+          "the folder writable, then continue with RunLog(run_dir, resume=True)."
+      ) from self._error
+
+  # The writer thread's side.
+
+  def _write_loop(self) -> None:
+    while True:
+      item = self._queue.get()
+      try:
+        if item is _STOP:
+          return
+        if self._error is None:
+          self._write_step(*item)
+      except BaseException as error:  # noqa: BLE001  (reported to the training thread)
+        self._error = error
+      finally:
+        self._queue.task_done()
+
+  def _leading_dims(self, name: str, ndim: int) -> list[str]:
+    # A histogram (of `summarize` or `running_statistics`) ends with its bin axis.
+    trailing = ["magnitude_bin"] if name.endswith("histogram") and ndim else []
+    lead = ndim - len(trailing)
+    names = next((list(dims) for pattern, dims in self._dims.items()
+                  if fnmatch.fnmatchcase(name, pattern)), [])[:lead]
+    return names + [f"{name}.axis{i}" for i in range(len(names), lead)] + trailing
+
+  def _write_step(self, step: int, logged: Any) -> None:
+    leaves = {name: np.asarray(value)
+              for name, value in flatten_logged(jax.device_get(logged)).items()}
+    if "step" in leaves:
+      raise ValueError("RunLog.append: 'step' is reserved for the step axis; rename the leaf.")
+    leaves["step"] = np.asarray(step, np.int64)
+    row = self._committed
+    if row >= self._capacity:  # Grow every array at once, rarely: one chunk per step.
+      self._capacity = max(2 * self._capacity, _MIN_CAPACITY)
+      for _, array in self._root.arrays():
+        array.resize((self._capacity, *array.shape[1:]))
+    for name, value in leaves.items():
+      if name not in self._root:
+        dims = ["step"] if name == "step" else ["step", *self._leading_dims(name, value.ndim)]
+        array = self._root.create_array(
+            name, shape=(self._capacity, *value.shape), chunks=(1, *value.shape),
+            dtype=value.dtype, fill_value=-1 if name == "step" else _fill(value.dtype),
+            dimension_names=dims)
+      else:
+        array = self._root[name]
+        if array.shape[1:] != value.shape or array.dtype != value.dtype:
+          raise ValueError(
+              f"RunLog.append: {name!r} changed from {array.dtype}{list(array.shape[1:])} to "
+              f"{value.dtype}{list(value.shape)} at step {step}. Keep leaves fixed in shape "
+              "and dtype, or log the new one under another name.")
+      array[row] = value  # Leaves missing from this step keep their fill value.
+    self._root.attrs["committed_steps"] = row + 1  # The commit point.
+    self._committed = row + 1
+
+  def _truncate_to_committed(self) -> None:
+    for _, array in self._root.arrays():
+      if array.shape and array.shape[0] != self._committed:
+        array.resize((self._committed, *array.shape[1:]))
+    self._capacity = self._committed
+
+
+_MIN_CAPACITY = 64
+
+
+def _fill(dtype) -> Any:
+  return float("nan") if np.issubdtype(dtype, np.inexact) else 0
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def open_run(run_dir: str | os.PathLike):
+  """Opens a run as an `xarray.Dataset` of its committed steps, with its metadata.
+
+  Variables are the logged leaves (`dense.summary.norm`, ...), indexed by `step`
+  (the step numbers passed to `append`) and the dims given to `RunLog`; `attrs` holds
+  `config`, `versions`, `committed_steps` and `dropped_steps`.
+  """
+  xarray = _require("xarray", "open_run")
+  path = os.path.join(os.fspath(run_dir), STORE_NAME)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"open_run({os.fspath(run_dir)!r}): no run here ({path} is "
+                            "missing). Pass the run_dir given to RunLog.")
+  dataset = xarray.open_zarr(path, consolidated=False)
+  committed = int(dataset.attrs.get("committed_steps", 0))
+  dataset = dataset.isel(step=slice(0, committed))
+  return dataset.assign_coords(step=dataset["step"].values) if "step" in dataset else dataset
