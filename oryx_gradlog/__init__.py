@@ -14,6 +14,38 @@ from oryx_gradlog import _compat
 _compat.check_versions()
 
 from oryx_gradlog import _oryx_rules  # noqa: F401  (installs Oryx rules)
+from oryx_gradlog._curvature import (
+    KFACFactors,
+    LayerParams,
+    gradient_variance,
+    kfac_factors,
+    sum_grad_squared,
+)
+from oryx_gradlog._ghost import (
+    PerExampleNorms,
+    per_example_norms,
+)
+from oryx_gradlog._layers import (
+    LayerInputs,
+    conv2d,
+    dense,
+    dense_dot_general,
+    embed,
+)
+from oryx_gradlog._moving_average import (
+    MovingAverage,
+    moving_average,
+)
+from oryx_gradlog._nan import (
+    NonFiniteReport,
+    find_nonfinite,
+    raise_if_nonfinite,
+)
+from oryx_gradlog._noise import (
+    GradientNoise,
+    NoiseScale,
+    gradient_noise_scale,
+)
 from oryx_gradlog._reap import (
     call_and_reap,
     reap,
@@ -30,7 +62,6 @@ from oryx_gradlog._running import (
     running_statistics,
 )
 from oryx_gradlog._sites import DEFAULT_TAG
-from oryx_gradlog._tensorboard import export_tensorboard
 from oryx_gradlog._store import (
     RunLog,
     open_run,
@@ -41,25 +72,46 @@ from oryx_gradlog._summaries import (
     magnitude_bins,
     summarize,
 )
+from oryx_gradlog._tensorboard import export_tensorboard
 
 __version__ = "0.1.0"
 
 __all__ = (
     "DEFAULT_TAG",
+    "GradientNoise",
+    "KFACFactors",
+    "LayerInputs",
+    "LayerParams",
     "Logged",
+    "MovingAverage",
+    "NoiseScale",
+    "NonFiniteReport",
+    "PerExampleNorms",
     "RunLog",
     "RunningStats",
     "StatisticsTransform",
     "Summary",
     "VJPRecord",
     "call_and_reap",
+    "conv2d",
+    "dense",
+    "dense_dot_general",
+    "embed",
     "export_tensorboard",
+    "find_nonfinite",
+    "gradient_noise_scale",
+    "gradient_variance",
+    "kfac_factors",
     "magnitude_bins",
+    "moving_average",
     "open_run",
+    "per_example_norms",
+    "raise_if_nonfinite",
     "reap",
-    "report",
     "record_vjp",
+    "report",
     "running_statistics",
+    "sum_grad_squared",
     "summarize",
     "tap",
 )

@@ -31,6 +31,7 @@ Sharp edges:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fnmatch
 import os
@@ -196,10 +197,8 @@ class RunLog:
     if exc_info[0] is None:
       self.close()
     else:  # Keep the original error; still stop the writer.
-      try:
+      with contextlib.suppress(Exception):
         self.close()
-      except Exception:  # noqa: BLE001
-        pass
 
   def _raise_if_failed(self, api: str) -> None:
     if self._error is not None:
@@ -276,7 +275,7 @@ def _fill(dtype) -> Any:
 
 
 def _now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def open_run(run_dir: str | os.PathLike):

@@ -10,9 +10,13 @@ from oryx_gradlog import _compat
 
 def test_all_is_the_documented_api():
   assert sorted(gl.__all__) == [
-      "DEFAULT_TAG", "Logged", "RunLog", "RunningStats", "StatisticsTransform", "Summary",
-      "VJPRecord", "call_and_reap", "export_tensorboard", "magnitude_bins", "open_run", "reap",
-      "record_vjp", "report", "running_statistics", "summarize", "tap"]
+      "DEFAULT_TAG", "GradientNoise", "KFACFactors", "LayerInputs", "LayerParams", "Logged",
+      "MovingAverage", "NoiseScale", "NonFiniteReport", "PerExampleNorms", "RunLog",
+      "RunningStats", "StatisticsTransform", "Summary", "VJPRecord", "call_and_reap", "conv2d",
+      "dense", "dense_dot_general", "embed", "export_tensorboard", "find_nonfinite",
+      "gradient_noise_scale", "gradient_variance", "kfac_factors", "magnitude_bins",
+      "moving_average", "open_run", "per_example_norms", "raise_if_nonfinite", "reap",
+      "record_vjp", "report", "running_statistics", "sum_grad_squared", "summarize", "tap"]
   assert gl.DEFAULT_TAG == "vjp"
 
 

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import pathlib
 import signal
 import struct
 import subprocess
@@ -17,7 +18,7 @@ import pytest
 zarr = pytest.importorskip("zarr")
 pytest.importorskip("xarray")
 
-import oryx_gradlog as gl  # noqa: E402
+import oryx_gradlog as gl
 
 dense = gl.record_vjp(lambda x, w: jnp.tanh(x @ w), name="dense")
 
@@ -187,7 +188,7 @@ def test_report_writes_images_and_a_page_naming_every_record(tmp_path):
   for name in images:
     pixels = matplotlib_image.imread(os.path.join(folder, name))
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.std() > 0
-  html = open(page, encoding="utf-8").read()
+  html = pathlib.Path(page).read_text(encoding="utf-8")
   for record in ("dense", "h"):
     assert record in html
   for name in images:
@@ -208,7 +209,7 @@ def test_command_line_report_and_error(tmp_path):
 def _read_events(path):
   from tensorboardX.proto import event_pb2
 
-  events, data = [], open(path, "rb").read()
+  events, data = [], pathlib.Path(path).read_bytes()
   while data:
     (length,) = struct.unpack("<Q", data[:8])
     event = event_pb2.Event()

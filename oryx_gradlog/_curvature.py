@@ -1,0 +1,276 @@
+"""Curvature and second moments of per-example gradients of dense layers.
+
+From the records of one ordinary backward pass (layers marked by `gl.dense` or
+`gl.dense_dot_general`):
+
+* `kfac_factors`: the Kronecker factors of K-FAC (Martens & Grosse 2015), per dense
+  layer `A = E[x x^T]` and `G = E[g g^T]`, so that the layer's Fisher block is
+  approximated by `A (x) G`. Average them across steps with `gl.moving_average`.
+* `sum_grad_squared`: BackPACK's SumGradSquared, `sum_i (grad_i)^2` element-wise per
+  parameter, where `grad_i` is the gradient of example i's loss.
+* `gradient_variance`: BackPACK's Variance, `(1/B) sum_i (grad_i - mean_i grad_i)^2`.
+
+Conventions. B examples, T positions per example (1 for vector inputs), `g_it` the
+per-example output gradient `dl_i/dy_it` (the recorded cotangent times B for a mean
+loss), `x_it` the input with a 1 appended when the layer has a bias (homogeneous
+coordinates, so `A` covers the bias: its last row and column). With `T = 1`:
+
+    A = (1/B) sum_i x_i x_i^T,          G = (1/B) sum_i g_i g_i^T.
+
+With positions (Eschenhagen et al. 2023), `approximation="expand"` treats
+positions as extra examples, as if the per-example gradient `sum_t x_t g_t^T` had
+no cross terms between positions:
+
+    A = (1/(B T)) sum_{i,t} x_it x_it^T,   G = (1/B) sum_{i,t} g_it g_it^T,
+
+and `approximation="reduce"` reduces over positions first:
+
+    A = (1/B) sum_i xbar_i xbar_i^T (xbar_i = mean_t x_it),
+    G = (1/B) sum_i gsum_i gsum_i^T (gsum_i = sum_t g_it).
+
+These are the empirical-Fisher factors of whatever loss was differentiated; for the
+true Fisher, differentiate a loss on targets sampled from the model.
+
+Per-parameter second moments: for vector inputs `sum_i (x_i g_i^T)^2 = (x^2)^T (g^2)`
+costs one matmul. With positions there is no such identity (the square of a sum
+over positions has cross terms), so the per-example gradients `x_i^T g_i` are
+materialised, all at once or `chunk_size` examples at a time.
+
+Sharp edges:
+  * Dense layers only; conv2d and embedding records are an error when named (and
+    skipped when `names` is not given).
+  * Results have the record's call axes in front: `(*calls, d_in(+1), d_in(+1))` for
+    `A`, `(*calls, d_in, d_out)` for `w`; tied names (`tied=...`) have none.
+  * Unlike BackPACK, the per-example gradients are those of `l_i` itself, not of
+    `l_i / B` for a mean loss.
+  * `gradient_variance` is `E[grad^2] - E[grad]^2`, clipped at zero against rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from oryx_gradlog import _ghost, _layers
+from oryx_gradlog._layers import DENSE, HIGHEST, Positions
+
+_APPROXIMATIONS = ("expand", "reduce")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["a", "g"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class KFACFactors:
+  """The K-FAC factors of one dense layer.
+
+  Attributes:
+    a: input factor `E[x x^T]`, `(*calls, d_in, d_in)`, or `d_in + 1` with a bias
+      (the last row and column are the bias's homogeneous coordinate).
+    g: output-gradient factor `E[g g^T]`, `(*calls, d_out, d_out)`.
+  """
+
+  a: jax.Array
+  g: jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+  """A per-parameter quantity of one dense layer, shaped like its parameters.
+
+  Attributes:
+    w: `(*calls, d_in, d_out)`, like the weight.
+    b: `(*calls, d_out)`, like the bias, or `None` for a layer without one.
+  """
+
+  w: jax.Array
+  b: jax.Array | None
+
+
+def _dense_views(api, records, names, tied, reduction):
+  _ghost.check_reduction(api, reduction)
+  tied = _ghost.check_tied(api, records, tied)
+  for name in _layers.select(api, records, names, (DENSE,)):
+    view = _layers.positions(api, name, records[name], tied=name in tied)
+    yield name, view, _ghost.loss_scale(reduction, view.batch_size)
+
+
+def _dot(spec, a, b):
+  return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+def _unstack(view: Positions, x: jax.Array) -> jax.Array:
+  return x.reshape(view.stack_shape + x.shape[1:])
+
+
+def kfac_factors(
+    records: dict[str, Any],
+    *,
+    reduction: str = "mean",
+    approximation: str = "expand",
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+) -> dict[str, KFACFactors]:
+  """Returns the K-FAC factors `A = E[x x^T]`, `G = E[g g^T]` of each dense layer.
+
+  See the module docstring for the exact definitions and scaling.
+
+  Args:
+    records: the dict that `gl.reap` / `gl.call_and_reap` returns.
+    reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses;
+      `g` is the gradient of the per-example loss either way.
+    approximation: `"expand"` or `"reduce"`, for inputs with positions (tokens).
+    names: the dense-layer records to use (default: all of them).
+    tied: names whose calls share one weight: the calls count as positions.
+
+  Returns:
+    `{name: KFACFactors(a, g)}`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.mean(jnp.sum(gl.dense(x, w, name="fc") ** 2, -1) / 2)
+    >>> x = jnp.array([[1.0, 0.0], [0.0, 2.0]])
+    >>> factors = gl.kfac_factors(gl.reap(jax.grad(loss))(jnp.eye(2), x))
+    >>> factors["fc"].a  # E[x x^T]; here g = y = x, so G = A
+    Array([[0.5, 0. ],
+           [0. , 2. ]], dtype=float32)
+  """
+  api = "kfac_factors"
+  if approximation not in _APPROXIMATIONS:
+    raise ValueError(
+        f"{api}(approximation={approximation!r}): approximation must be 'expand' or "
+        "'reduce' (Eschenhagen et al. 2023); they agree for inputs without positions.")
+  factors = {}
+  for name, view, scale in _dense_views(api, records, names, tied, reduction):
+    x, g = view.x, scale * view.g
+    if view.bias_g is not None:
+      x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+    batch, positions = g.shape[1], g.shape[2]
+    if approximation == "expand":
+      a = _dot("sbtd,sbte->sde", x, x) / (batch * positions)
+      gg = _dot("sbtd,sbte->sde", g, g) / batch
+    else:
+      x, g = jnp.mean(x, axis=2), jnp.sum(g, axis=2)
+      a, gg = _dot("sbd,sbe->sde", x, x) / batch, _dot("sbd,sbe->sde", g, g) / batch
+    factors[name] = KFACFactors(_unstack(view, a), _unstack(view, gg))
+  return factors
+
+
+def _sum_of_squares(x, g, chunk_size):
+  """`(S, d_in, d_out)`: sum over examples of the squared `x_i^T g_i`."""
+  if x.shape[2] == 1:
+    return _dot("sbd,sbe->sde", x[:, :, 0] ** 2, g[:, :, 0] ** 2)
+  batch = x.shape[1]
+  if chunk_size is None or chunk_size >= batch:
+    per_example = _dot("sbtd,sbte->sbde", x, g)
+    return jnp.sum(per_example * per_example, axis=1)
+  if batch % chunk_size:
+    raise ValueError(
+        f"sum_grad_squared(chunk_size={chunk_size}): the batch size {batch} is not a "
+        "multiple of chunk_size. Pass a divisor of the batch size, or None.")
+
+  def chunks(a):
+    a = a.reshape((a.shape[0], batch // chunk_size, chunk_size) + a.shape[2:])
+    return jnp.moveaxis(a, 1, 0)
+
+  def step(total, chunk):
+    per_example = _dot("sbtd,sbte->sbde", *chunk)
+    return total + jnp.sum(per_example * per_example, axis=1), None
+
+  zeros = jnp.zeros((x.shape[0], x.shape[3], g.shape[3]), g.dtype)
+  return lax.scan(step, zeros, (chunks(x), chunks(g)))[0]
+
+
+def _moments(api, records, reduction, names, tied, chunk_size, centred):
+  results = {}
+  for name, view, scale in _dense_views(api, records, names, tied, reduction):
+    batch = view.batch_size
+    w = scale * scale * _sum_of_squares(view.x, view.g, chunk_size)
+    b = None if view.bias_g is None else scale * scale * jnp.sum(view.bias_g ** 2, axis=1)
+    if centred:
+      mean_w = (scale / batch) * _dot("sbtd,sbte->sde", view.x, view.g)
+      w = jnp.maximum(w / batch - mean_w * mean_w, 0.0)
+      if b is not None:
+        mean_b = (scale / batch) * jnp.sum(view.bias_g, axis=1)
+        b = jnp.maximum(b / batch - mean_b * mean_b, 0.0)
+    results[name] = LayerParams(_unstack(view, w), None if b is None else _unstack(view, b))
+  return results
+
+
+def sum_grad_squared(
+    records: dict[str, Any],
+    *,
+    reduction: str = "mean",
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+    chunk_size: int | None = None,
+) -> dict[str, LayerParams]:
+  """Returns `sum_i grad_i ** 2` per parameter of each dense layer (SumGradSquared).
+
+  `grad_i` is the gradient of example i's loss. For vector inputs this is
+  `(x ** 2)^T (g ** 2)`; with positions the per-example gradients are formed, all
+  at once or `chunk_size` examples at a time (a `lax.scan`).
+
+  Args:
+    records: the dict that `gl.reap` / `gl.call_and_reap` returns.
+    reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
+    names: the dense-layer records to use (default: all of them).
+    tied: names whose calls share one weight.
+    chunk_size: with positions, examples per chunk (a divisor of the batch size);
+      `None` does the whole batch at once. Leave it `None` for sharded batches.
+
+  Returns:
+    `{name: LayerParams(w, b)}`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.sum(gl.dense(x, w, name="fc"))
+    >>> x = jnp.array([[1.0], [2.0]])  # grad_i = x_i: 1 and 2
+    >>> gl.sum_grad_squared(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x),
+    ...                     reduction="sum")["fc"].w
+    Array([[5.]], dtype=float32)
+  """
+  return _moments("sum_grad_squared", records, reduction, names, tied, chunk_size, False)
+
+
+def gradient_variance(
+    records: dict[str, Any],
+    *,
+    reduction: str = "mean",
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+    chunk_size: int | None = None,
+) -> dict[str, LayerParams]:
+  """Returns the variance over examples of each dense-layer parameter's gradient.
+
+  `(1/B) sum_i (grad_i - mean_i grad_i) ** 2` (BackPACK's Variance, with `grad_i`
+  the gradient of example i's own loss), as `sum_grad_squared / B - mean ** 2`.
+
+  Args:
+    records: the dict that `gl.reap` / `gl.call_and_reap` returns.
+    reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
+    names: the dense-layer records to use (default: all of them).
+    tied: names whose calls share one weight.
+    chunk_size: as for `sum_grad_squared`.
+
+  Returns:
+    `{name: LayerParams(w, b)}`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.sum(gl.dense(x, w, name="fc"))
+    >>> x = jnp.array([[1.0], [3.0]])  # grad_i = x_i: 1 and 3
+    >>> gl.gradient_variance(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x),
+    ...                      reduction="sum")["fc"].w
+    Array([[1.]], dtype=float32)
+  """
+  return _moments("gradient_variance", records, reduction, names, tied, chunk_size, True)

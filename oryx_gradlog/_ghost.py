@@ -1,0 +1,221 @@
+"""Per-example gradient norms from one ordinary backward pass ("ghost" norms).
+
+For a dense layer `y = x @ w + b`, example i's gradient of `w` is `x_i^T g_i`, where
+`x_i` is `(T, d_in)` (T positions: tokens, or 1 for a vector input) and `g_i` the
+`(T, d_out)` cotangent of `y_i`. Its squared Frobenius norm needs neither that
+matrix nor a per-example backward pass (Goodfellow 2015; Li et al. 2021, "ghost
+clipping"; Bu et al. 2023, "book-keeping"):
+
+    ||x_i^T g_i||^2 = <x_i x_i^T, g_i g_i^T>       (Gram form, T^2 (d_in + d_out))
+                    = ||x_i||^2 ||g_i||^2           (T = 1)
+
+or, when that is cheaper, materialise `x_i^T g_i` (T d_in d_out) and square it; the
+choice is made per layer and reported in `PerExampleNorms.methods`. The bias's
+per-example gradient is `sum_t g_it`. An embedding's per-example gradient scatters
+the rows of `g_i` into the table rows named by the ids, so its squared norm is
+`sum_{t,s} [id_t == id_s] <g_t, g_s>`. A 2-D convolution is a dense layer over the
+patches of its input (`jax.lax.conv_general_dilated_patches`), one position per
+output pixel; feature groups are independent dense layers.
+
+Everything comes from the layer records (`x`, `g`) of the batch loss's backward pass:
+`gl.reap(jax.grad(loss))(...)` with layers marked by `gl.dense`, `gl.conv2d`,
+`gl.embed`. Loss convention: the batch loss is `sum_i l_i` (`reduction="sum"`) or
+`mean_i l_i` (`reduction="mean"`, the default); a per-example gradient is always
+the gradient of `l_i` itself, so for a mean the recorded cotangents are multiplied
+by the batch size.
+
+Sharp edges:
+  * Only marked layers count: `total` is the norm over the parameters of the layer
+    records analysed, not over parameters used elsewhere (a layer norm's scale).
+    Mark every layer whose parameters you want in the total.
+  * Calls of one name are taken to have their own weights (scan over stacked
+    layers: norms per call, shape `(*calls, batch)`). For calls sharing one weight
+    (an RNN cell, a layer applied twice) pass `tied=(name,)`: its gradient sums
+    over the calls and its norms have shape `(batch,)`.
+  * Call it on the records as the reap returns them, inside any vmap or scan that
+    made them: a vmap or scan outside the reap adds axes in front that would be
+    taken for calls.
+  * Records of a per-shard reap inside `shard_map` have the local batch: with
+    `reduction="mean"` the local batch size is used, so scale the loss as the
+    global mean needs.
+  * The Gram form sums products of either sign; norms far smaller than the
+    activations they come from lose relative precision (as any float32 sum does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from oryx_gradlog import _layers
+from oryx_gradlog._layers import CONV2D, DENSE, EMBED, HIGHEST, Positions
+
+GRAM, MATERIALIZED = "gram", "materialized"
+_METHODS = ("auto", GRAM, MATERIALIZED)
+_REDUCTIONS = ("mean", "sum")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["layers", "total"],
+    meta_fields=["methods"],
+)
+@dataclasses.dataclass(frozen=True)
+class PerExampleNorms:
+  """Norms of per-example gradients, per layer and in total.
+
+  Attributes:
+    layers: per record name, the norms of the per-example gradients of that
+      layer's parameters (weight and bias together), shape `(*calls, batch)`, or
+      `(batch,)` for a tied name.
+    total: `(batch,)`, the norm of each example's gradient over all the layers.
+    methods: static `(name, "gram" | "materialized")` pairs: how each layer was done.
+  """
+
+  layers: dict[str, jax.Array]
+  total: jax.Array
+  methods: tuple[tuple[str, str], ...] = ()
+
+  @property
+  def method(self) -> dict[str, str]:
+    """`methods` as a dict."""
+    return dict(self.methods)
+
+
+def check_reduction(api: str, reduction: str) -> None:
+  if reduction not in _REDUCTIONS:
+    raise ValueError(
+        f"{api}(reduction={reduction!r}): reduction must be 'mean' (the loss is the "
+        "mean of the per-example losses) or 'sum' (their sum). For another scaling c * "
+        "sum_i l_i, use 'sum' and divide the results by c (norms) or c**2 (squares).")
+
+
+def loss_scale(reduction: str, batch_size: int) -> float:
+  """The factor from a recorded cotangent to the per-example loss's cotangent."""
+  return float(batch_size) if reduction == "mean" else 1.0
+
+
+def choose_method(view: Positions, method: str) -> str:
+  """Gram form or materialised per-example gradients, whichever costs less."""
+  if method != "auto":
+    return method
+  t, d_out = view.g.shape[2], view.g.shape[3]
+  if view.kind == EMBED:  # Gram T^2 (d + 1) against a (vocabulary, d) table.
+    return GRAM if t * t * (d_out + 1) <= view.vocabulary * d_out else MATERIALIZED
+  d_in = view.x.shape[3]
+  return GRAM if t * (d_in + d_out) <= d_in * d_out else MATERIALIZED
+
+
+def _dot(spec, a, b):
+  return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+def weight_squared_norms(view: Positions, method: str) -> jax.Array:
+  """`(S, B)` squared norms of `sum_t x_t^T g_t` (unscaled), for the weight."""
+  x, g = view.x, view.g
+  if view.kind == EMBED:
+    if method == GRAM and g.shape[2] == 1:
+      return jnp.sum(g * g, axis=(2, 3))
+    if method == GRAM:
+      same = x[..., :, None] == x[..., None, :]
+      return jnp.sum(jnp.where(same, _dot("sbtd,sbud->sbtu", g, g), 0.0), axis=(2, 3))
+    table = jnp.zeros(g.shape[:2] + (view.vocabulary, g.shape[3]), g.dtype)
+    scatter = lambda table, ids, g: table.at[ids].add(g)
+    per_example = jax.vmap(jax.vmap(scatter))(table, x, g)
+    return jnp.sum(per_example * per_example, axis=(2, 3))
+  if method == GRAM and g.shape[2] == 1:
+    return jnp.sum(x * x, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3))
+  if method == GRAM:
+    return jnp.sum(_dot("sbtd,sbud->sbtu", x, x) * _dot("sbtd,sbud->sbtu", g, g), axis=(2, 3))
+  per_example = _dot("sbtd,sbte->sbde", x, g)
+  return jnp.sum(per_example * per_example, axis=(2, 3))
+
+
+def squared_norms(
+    api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
+    tied: Collection[str], method: str,
+) -> tuple[dict[str, jax.Array], dict[str, str], dict[str, Positions]]:
+  """Per layer, `(*calls, B)` squared per-example norms (of `l_i`), methods and views."""
+  check_reduction(api, reduction)
+  if method not in _METHODS:
+    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
+  tied = check_tied(api, records, tied)
+  squares, methods, views = {}, {}, {}
+  for name in _layers.select(api, records, names, (DENSE, CONV2D, EMBED)):
+    view = _layers.positions(api, name, records[name], tied=name in tied)
+    chosen = choose_method(view, method)
+    square = weight_squared_norms(view, chosen)
+    if view.groups > 1:
+      square = square.reshape((-1, view.groups) + square.shape[1:]).sum(1)
+    if view.bias_g is not None:
+      square = square + jnp.sum(view.bias_g * view.bias_g, axis=-1)
+    scale = loss_scale(reduction, view.batch_size)
+    squares[name] = (scale * scale) * square.reshape(view.stack_shape + square.shape[-1:])
+    methods[name], views[name] = chosen, view
+  return squares, methods, views
+
+
+def check_tied(api, records, tied):
+  tied = {tied} if isinstance(tied, str) else set(tied)
+  missing = sorted(tied - set(records))
+  if missing:
+    raise ValueError(
+        f"{api}(tied=...): {missing} are not among the records {sorted(records)}.")
+  return tied
+
+
+def per_example_norms(
+    records: dict[str, Any],
+    *,
+    reduction: str = "mean",
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+    method: str = "auto",
+) -> PerExampleNorms:
+  """Returns the norms of per-example gradients from one backward pass's records.
+
+  Reap the records of the ordinary gradient of the batch loss, with layers marked
+  by `gl.dense`, `gl.conv2d`, `gl.embed` (or `gl.dense_dot_general`); per-example
+  gradients are never formed unless materialising is cheaper for a layer (then
+  one layer's at a time). Works under `jit`, `vmap` and with sharded batches.
+
+  Args:
+    records: the dict that `gl.reap` / `gl.call_and_reap` returns.
+    reduction: `"mean"` if the loss is `mean_i l_i`, `"sum"` if `sum_i l_i`; the
+      norms are those of the gradients of `l_i` either way.
+    names: the layer records to use (default: every layer record; other records,
+      e.g. taps, are left out). A named record that is not a layer is an error.
+    tied: names whose calls share one weight (see "Sharp edges").
+    method: `"auto"` (per layer, the Gram form when `T (d_in + d_out) <= d_in
+      d_out`, else materialised), `"gram"` or `"materialized"`.
+
+  Returns:
+    A `PerExampleNorms` with per-layer norms, the total, and the method per layer.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> def loss(params, x):
+    ...   h = jnp.tanh(gl.dense(x, params["w1"], params["b1"], name="fc1"))
+    ...   return jnp.mean(gl.dense(h, params["w2"], name="fc2") ** 2)
+    >>> params = {"w1": jnp.ones((3, 4)) / 4, "b1": jnp.zeros(4), "w2": jnp.ones((4, 1))}
+    >>> x = jnp.arange(6.0).reshape(2, 3)
+    >>> norms = gl.per_example_norms(gl.reap(jax.grad(loss))(params, x))
+    >>> per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, x[:, None])
+    >>> flat = jax.vmap(lambda g: jnp.concatenate([v.ravel() for v in jax.tree.leaves(g)]))
+    >>> bool(jnp.allclose(norms.total, jnp.linalg.norm(flat(per_example), axis=1)))
+    True
+  """
+  squares, methods, _ = squared_norms(
+      "per_example_norms", records, reduction=reduction, names=names, tied=tied,
+      method=method)
+  total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
+  return PerExampleNorms(
+      layers={name: jnp.sqrt(s) for name, s in squares.items()},
+      total=jnp.sqrt(total),
+      methods=tuple(sorted(methods.items())),
+  )

@@ -1,0 +1,475 @@
+"""Layer records: dense, conv2d and embedding layers whose records describe themselves.
+
+The analyses (per-example gradient norms, K-FAC factors, gradient noise) need, per
+layer, the layer's input `x`, its weight `w` and the cotangent `g` of its output,
+and they need to know what the layer computes. `dense`, `conv2d` and `embed` are
+`record_vjp(..., full=True)` wrappers whose single positional input is a
+`LayerInputs` pytree: its data are `x`, `w`, `b`, and its static fields say the kind
+of layer and its options (strides, padding, ...). So the record of a layer is an
+ordinary `VJPRecord` that carries its own description through `jit`, `vmap`, `scan`
+and the stacking of calls, and the analyses need no other bookkeeping:
+
+    records["fc1"].primals[0].x        # the layer's input (batch, ..., d_in)
+    records["fc1"].primals[0].w        # its weight (d_in, d_out)
+    records["fc1"].out_cotangent       # dL/dy (batch, ..., d_out)
+    records["fc1"].in_cotangents[0].w  # dL/dw, the batch gradient
+
+Layout of a layer record: `(*calls, batch, *positions, features)`. `calls` are the
+leading axes the record's weight has beyond its own rank (k calls of one name, a
+`lax.scan` over layers); the batch axis follows; then positions (tokens, or pixels
+for a convolution's output), which a per-example gradient sums over. A model written
+per example and vmapped inside the loss (the Equinox style) records the same layout,
+because the weight is shared by the vmap and keeps its own shape.
+
+`positions(...)` turns a layer record into that canonical view, `(S, B, T, d)`
+arrays: for a convolution the positions are its output pixels and `x` becomes the
+patches (`jax.lax.conv_general_dilated_patches`), which makes it a dense layer.
+
+Marking Flax and Equinox layers:
+
+    # Flax linen: nn.Dense calls its `dot_general` with (inputs, kernel, ...); the
+    # bias is added after it, so tell the record that there is one.
+    nn.Dense(128, dot_general=gl.dense_dot_general(name="fc1"))
+
+    # Equinox: eqx.nn.Linear holds weight (out, in) and is applied per example.
+    def linear(layer, x, name):
+      return gl.dense(x, layer.weight.T, layer.bias, name=name)
+
+Sharp edges:
+  * A record describes one use of its weight. A parameter used outside its marked
+    layer (a tied embedding reused as the output projection by a plain matmul) has
+    per-example gradients that the analyses cannot see; mark every use.
+  * Every call of a name is taken to have its own weight (a `scan` over stacked
+    layers). For calls that share one weight (an RNN cell in a `scan`, a layer
+    applied twice) pass `tied=("name",)` to the analyses: the calls then count as
+    more positions of one layer.
+  * `dense_dot_general` records no bias; `bias=True` (the default, as `nn.Dense`
+    has one) makes the analyses count the bias's per-example gradient, which is the
+    sum of `g` over positions. Pass `bias=False` for `use_bias=False`.
+  * The analyses assume that example i's loss depends on example i's rows only (no
+    batch norm, no in-batch contrastive losses); otherwise "per-example gradient"
+    has no meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from oryx_gradlog._record import VJPRecord, record_vjp
+from oryx_gradlog._sites import DEFAULT_TAG
+
+DENSE, CONV2D, EMBED = "dense", "conv2d", "embed"
+# The rank of the weight of each kind of layer; a record's weight has more axes
+# only in front, one per stacked call axis.
+_WEIGHT_RANK = {DENSE: 2, CONV2D: 4, EMBED: 2}
+HIGHEST = lax.Precision.HIGHEST
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["x", "w", "b"],
+    meta_fields=["kind", "config"],
+)
+@dataclasses.dataclass(frozen=True)
+class LayerInputs:
+  """The inputs of a marked layer, as its record holds them (`primals[0]`).
+
+  Attributes:
+    x: the layer's input (token ids for an embedding).
+    w: its weight: `(d_in, d_out)` for dense, the kernel for conv2d, the
+      `(vocabulary, d)` table for an embedding.
+    b: its bias, or `None`.
+    kind: `"dense"`, `"conv2d"` or `"embed"` (static).
+    config: the layer's static options as sorted `(key, value)` pairs.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.sum(gl.dense(x, w, name="fc") ** 2)
+    >>> record = gl.reap(jax.grad(loss))(jnp.ones((3, 2)), jnp.ones((4, 3)))["fc"]
+    >>> record.primals[0].kind, record.primals[0].x.shape, record.out_cotangent.shape
+    ('dense', (4, 3), (4, 2))
+  """
+
+  x: Any
+  w: Any
+  b: Any
+  kind: str
+  config: tuple = ()
+
+  @property
+  def options(self) -> dict[str, Any]:
+    """The static options as a dict."""
+    return dict(self.config)
+
+
+def _apply(layer: LayerInputs) -> jax.Array:
+  options = layer.options
+  if layer.kind == DENSE:
+    y = jnp.matmul(layer.x, layer.w, precision=options.get("precision"))
+  elif layer.kind == EMBED:
+    return jnp.take(layer.w, layer.x, axis=0)
+  else:
+    y = lax.conv_general_dilated(
+        layer.x, layer.w, options["window_strides"], options["padding"],
+        options["lhs_dilation"], options["rhs_dilation"], options["dimension_numbers"],
+        options["feature_group_count"], precision=options.get("precision"))
+  if layer.b is None:
+    return y
+  if layer.kind == CONV2D:
+    out_spec = lax.conv_dimension_numbers(
+        layer.x.shape, layer.w.shape, options["dimension_numbers"]).out_spec
+    shape = [1] * y.ndim
+    shape[out_spec[1]] = -1
+    return y + jnp.reshape(layer.b, shape)
+  return y + layer.b
+
+
+def _record(layer: LayerInputs, name: str, tag: str) -> jax.Array:
+  return record_vjp(_apply, name=name, tag=tag, full=True)(layer)
+
+
+def dense(
+    x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, name: str,
+    tag: str = DEFAULT_TAG, precision: Any = None,
+) -> jax.Array:
+  """Returns `x @ w + b`, recorded as a dense layer named `name`.
+
+  The record is a `VJPRecord` whose `primals[0]` is `LayerInputs(x, w, b)`, so the
+  analyses (`per_example_norms`, `kfac_factors`, ...) know the layer's input, weight
+  and output cotangent.
+
+  Args:
+    x: input, `(batch, d_in)` or `(batch, *positions, d_in)`; per example `(d_in,)`
+      or `(*positions, d_in)` inside a vmap over examples.
+    w: weight `(d_in, d_out)`. (An Equinox `Linear` holds `(d_out, d_in)`: pass
+      `layer.weight.T`.)
+    b: optional bias `(d_out,)`.
+    name: the record name.
+    tag: the Oryx tag of the record.
+    precision: passed to `jnp.matmul`.
+
+  Returns:
+    `x @ w + b`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.mean(jnp.sum(gl.dense(x, w, name="fc") ** 2, axis=-1))
+    >>> norms = gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.eye(2), jnp.eye(2)))
+    >>> norms.total  # example i's loss |e_i w|^2 has gradient 2 outer(e_i, e_i)
+    Array([2., 2.], dtype=float32)
+  """
+  w = jnp.asarray(w)
+  if w.ndim != 2 or jnp.shape(x)[-1:] != w.shape[:1] or (
+      b is not None and jnp.shape(b) != w.shape[1:]):
+    raise ValueError(
+        f"dense(name={name!r}): got x {jnp.shape(x)}, w {w.shape}, b "
+        f"{None if b is None else jnp.shape(b)}; dense computes x @ w + b with w of "
+        "shape (d_in, d_out), x of shape (..., d_in) and b of shape (d_out,). "
+        "Transpose w if it is stored (d_out, d_in), as in Equinox.")
+  config = () if precision is None else (("precision", precision),)
+  return _record(LayerInputs(x, w, b, DENSE, config), name, tag)
+
+
+def dense_dot_general(
+    *, name: str, bias: bool = True, tag: str = DEFAULT_TAG
+) -> Callable[..., jax.Array]:
+  """Returns a `dot_general` that records its operands as a dense layer.
+
+  For Flax linen's `nn.Dense(features, dot_general=...)`, which computes
+  `dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))` and then
+  adds its bias. The record holds no bias; `bias` says whether the layer adds one,
+  so that the analyses count the bias's per-example gradient (the sum of `g` over
+  positions, exact because the bias is added right after the product).
+
+  Args:
+    name: the record name (give each `nn.Dense` its own).
+    bias: whether the layer adds a bias after the product (`use_bias`).
+    tag: the Oryx tag of the record.
+
+  Returns:
+    A function with the signature of `jax.lax.dot_general`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> dot = gl.dense_dot_general(name="fc", bias=False)  # nn.Dense(..., dot_general=dot)
+    >>> loss = lambda w, x: jnp.mean(jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))) ** 2, -1))
+    >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.eye(2), jnp.eye(2))).total
+    Array([2., 2.], dtype=float32)
+  """
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    expected = (((lhs.ndim - 1,), (0,)), ((), ()))
+    if rhs.ndim != 2 or (tuple(lhs_contract), tuple(rhs_contract), tuple(lhs_batch),
+                         tuple(rhs_batch)) != ((lhs.ndim - 1,), (0,), (), ()):
+      raise ValueError(
+          f"dense_dot_general(name={name!r}): got dimension_numbers "
+          f"{dimension_numbers} for operands {lhs.shape} and {rhs.shape}; it records "
+          f"a dense layer, inputs (..., d_in) contracted with a (d_in, d_out) kernel, "
+          f"i.e. dimension_numbers {expected}. Use it only as nn.Dense's dot_general.")
+    config = (("bias", bool(bias)),)
+    if precision is not None:
+      config += (("precision", precision),)
+    y = _record(LayerInputs(lhs, rhs, None, DENSE, config), name, tag)
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
+
+  return dot_general
+
+
+def conv2d(
+    x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, name: str,
+    window_strides: Sequence[int] = (1, 1),
+    padding: str | Sequence[tuple[int, int]] = "SAME",
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: tuple[str, str, str] = ("NHWC", "HWIO", "NHWC"),
+    feature_group_count: int = 1,
+    tag: str = DEFAULT_TAG,
+    precision: Any = None,
+) -> jax.Array:
+  """Returns a 2-D convolution of `x` with `w` plus `b`, recorded as a conv2d layer.
+
+  Arguments after `b` are those of `jax.lax.conv_general_dilated` (default layout
+  NHWC input, HWIO kernel, as Flax's `nn.Conv`). The bias is added along the
+  output's feature axis.
+
+  Args:
+    x: the 4-D input with its batch axis (per example inside a vmap, give it a
+      batch axis of one: `x[None]`).
+    w: the kernel.
+    b: optional bias, one per output feature.
+    name: the record name.
+    window_strides: see `jax.lax.conv_general_dilated`.
+    padding: see `jax.lax.conv_general_dilated`.
+    lhs_dilation: see `jax.lax.conv_general_dilated`.
+    rhs_dilation: see `jax.lax.conv_general_dilated`.
+    dimension_numbers: three strings, e.g. `("NCHW", "OIHW", "NCHW")`.
+    feature_group_count: see `jax.lax.conv_general_dilated`.
+    tag: the Oryx tag of the record.
+    precision: passed to the convolution.
+
+  Returns:
+    The convolution plus bias.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> x, w = jnp.ones((2, 4, 4, 1)), jnp.ones((3, 3, 1, 2))
+    >>> loss = lambda w, x: jnp.sum(gl.conv2d(x, w, name="conv"))
+    >>> gl.reap(jax.grad(loss))(w, x)["conv"].out_cotangent.shape
+    (2, 4, 4, 2)
+  """
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  padding = padding if isinstance(padding, str) else tuple(map(tuple, padding))
+  dimension_numbers = tuple(dimension_numbers)
+  if x.ndim != 4 or w.ndim != 4 or not all(isinstance(s, str) for s in dimension_numbers):
+    raise ValueError(
+        f"conv2d(name={name!r}): got x {x.shape}, w {w.shape} and dimension_numbers "
+        f"{dimension_numbers}; conv2d needs a batched 4-D input, a 4-D kernel and "
+        "dimension_numbers given as three strings such as ('NHWC', 'HWIO', 'NHWC'). "
+        "Inside a vmap over examples, add the batch axis back: x[None].")
+  config = (
+      ("dimension_numbers", dimension_numbers),
+      ("feature_group_count", int(feature_group_count)),
+      ("lhs_dilation", None if lhs_dilation is None else tuple(lhs_dilation)),
+      ("padding", padding),
+      ("rhs_dilation", None if rhs_dilation is None else tuple(rhs_dilation)),
+      ("window_strides", tuple(window_strides)),
+  )
+  if precision is not None:
+    config += (("precision", precision),)
+  return _record(LayerInputs(x, w, b, CONV2D, config), name, tag)
+
+
+def embed(ids: jax.Array, table: jax.Array, *, name: str, tag: str = DEFAULT_TAG) -> jax.Array:
+  """Returns `table[ids]`, recorded as an embedding layer named `name`.
+
+  Args:
+    ids: integer token ids, `(batch,)` or `(batch, *positions)`.
+    table: the embedding table `(vocabulary, d)`.
+    name: the record name.
+    tag: the Oryx tag of the record.
+
+  Returns:
+    The rows of `table` at `ids`, `(*ids.shape, d)`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda table, ids: jnp.sum(gl.embed(ids, table, name="emb"))
+    >>> ids = jnp.array([[0, 0, 1]])  # one example, token 0 twice: its row gets 2 * ones
+    >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.zeros((3, 2)), ids),
+    ...                      reduction="sum").total
+    Array([3.1622777], dtype=float32)
+  """
+  table = jnp.asarray(table)
+  if table.ndim != 2 or not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+    raise ValueError(
+        f"embed(name={name!r}): got ids of dtype {jnp.result_type(ids)} and a table of "
+        f"shape {table.shape}; embed needs integer ids and a (vocabulary, d) table.")
+  return _record(LayerInputs(ids, table, None, EMBED), name, tag)
+
+
+# ----------------------------------------------------------------------------------
+# The canonical view of a layer record, for the analyses.
+
+
+@dataclasses.dataclass(frozen=True)
+class Positions:
+  """A layer record as `(S, B, T, d)` arrays (internal; not a pytree).
+
+  Attributes:
+    kind: the layer kind.
+    x: `(S, B, T, d_in)` inputs per position (patches for conv2d); token ids
+      `(S, B, T)` for an embedding.
+    g: `(S, B, T, d_out)` output cotangents per position.
+    bias_g: `(S, B, d_out)` sums of `g` over positions if the layer has a bias.
+    stack_shape: the call axes `S` was flattened from (`()` when tied).
+    groups: conv2d feature groups, folded into `S` after `stack_shape`.
+    vocabulary: the embedding table's number of rows.
+  """
+
+  kind: str
+  x: jax.Array
+  g: jax.Array
+  bias_g: jax.Array | None
+  stack_shape: tuple
+  groups: int = 1
+  vocabulary: int = 0
+
+  @property
+  def batch_size(self) -> int:
+    return self.g.shape[1]
+
+
+def is_layer_record(record: Any) -> bool:
+  """Whether `record` was made by `dense`, `conv2d`, `embed` or `dense_dot_general`."""
+  return (isinstance(record, VJPRecord) and isinstance(record.primals, tuple)
+          and len(record.primals) == 1 and isinstance(record.primals[0], LayerInputs))
+
+
+def call_axes(record: VJPRecord) -> int:
+  """The number of leading call axes of a layer record (those of its weight)."""
+  layer = record.primals[0]
+  return layer.w.ndim - _WEIGHT_RANK[layer.kind]
+
+
+def select(api: str, records: dict[str, Any], names: Sequence[str] | None,
+           kinds: Sequence[str]) -> list[str]:
+  """Returns the names of the layer records to analyse, checking `names`."""
+  if not isinstance(records, dict):
+    raise TypeError(
+        f"{api}: expected the dict of records that gl.reap or gl.call_and_reap returns, "
+        f"got {type(records).__name__}.")
+  if names is None:
+    chosen = [n for n, r in records.items()
+              if is_layer_record(r) and r.primals[0].kind in kinds]
+    if not chosen:
+      raise ValueError(
+          f"{api}: none of the records {sorted(records)} is a {' or '.join(kinds)} "
+          "layer record. Mark layers with gl.dense, gl.conv2d or gl.embed (or "
+          "gl.dense_dot_general for Flax) so that their records describe the layer.")
+    return chosen
+  names = [names] if isinstance(names, str) else list(names)
+  bad = []
+  for name in names:
+    record = records.get(name)
+    if record is None:
+      bad.append(f"{name!r} is not among the records {sorted(records)}")
+    elif not is_layer_record(record):
+      bad.append(f"{name!r} is not a layer record (mark the layer with gl.dense, "
+                 "gl.conv2d or gl.embed)")
+    elif record.primals[0].kind not in kinds:
+      bad.append(f"{name!r} is a layer of kind {record.primals[0].kind!r}, which {api} "
+                 f"does not support (it supports {', '.join(kinds)}); leave it out of names")
+  if bad:
+    raise ValueError(f"{api}(names=...): " + "; ".join(bad) + ".")
+  return names
+
+
+def _float(x):
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def positions(api: str, name: str, record: VJPRecord, *, tied: bool) -> Positions:
+  """Returns the canonical `(S, B, T, d)` view of a layer record."""
+  layer, g = record.primals[0], record.out_cotangent
+  w, x = layer.w, layer.x
+  stack = tuple(w.shape[:call_axes(record)])
+  n = len(stack)
+  per_call_rank = {DENSE: 2, CONV2D: 4, EMBED: 1}[layer.kind]
+  if x.ndim < n + per_call_rank:
+    raise ValueError(
+        f"{api}: record {name!r} has input x of shape {x.shape} and {n} call axes "
+        f"{stack}, which leaves no example axis. Per-example analyses take the records "
+        "of one backward pass of the batch loss: apply the layer to a batch, or inside "
+        "a vmap over the examples of the batch (not to a single example).")
+  if g is None:
+    raise ValueError(f"{api}: record {name!r} has no output cotangent.")
+  size = math.prod(stack)
+  options = layer.options
+  groups, vocabulary = 1, 0
+  if layer.kind == CONV2D:
+    x, g, groups = _conv_positions(api, name, layer, g, stack)
+  else:
+    batch = x.shape[n]
+    x = x.reshape((size, batch, -1) + x.shape[x.ndim - per_call_rank + 1:])
+    g = g.reshape((size, batch, -1, g.shape[-1]))
+    if layer.kind == EMBED:
+      vocabulary = w.shape[-2]
+  g = _float(g)
+  if layer.kind != EMBED:
+    x = _float(x)
+  has_bias = layer.b is not None or options.get("bias", False)
+  if tied and size > 1:
+    x = jnp.moveaxis(x, 0, 1).reshape((1, x.shape[1], -1) + x.shape[3:])
+    g = jnp.moveaxis(g, 0, 1).reshape((1, g.shape[1], -1, g.shape[-1]))
+    stack = ()
+  elif tied:
+    stack = ()
+  bias_g = jnp.sum(g, axis=2) if has_bias else None
+  if groups > 1:  # Groups are independent dense layers: fold them into S.
+    s, b, t = g.shape[:3]
+    x = jnp.moveaxis(x.reshape(s, b, t, groups, -1), 3, 1).reshape(s * groups, b, t, -1)
+    g = jnp.moveaxis(g.reshape(s, b, t, groups, -1), 3, 1).reshape(s * groups, b, t, -1)
+  return Positions(layer.kind, x, g, bias_g, stack, groups, vocabulary)
+
+
+def _conv_positions(api, name, layer, g, stack):
+  """Patches of the input and cotangents per output pixel, `(S, B, T, d)`.
+
+  The input is `(*stack, *lead, 4 conv axes)`; `lead` is non-empty for per-example
+  code under a vmap (the vmap axis, then the conv's own batch axis of one). The
+  example axis is the first of `(*lead, N)`; the rest count as positions.
+  """
+  options = layer.options
+  x, w = layer.x, layer.w
+  n, lead = len(stack), x.shape[len(stack):-4]
+  spec = lax.conv_dimension_numbers(x.shape[-4:], w.shape[n:], options["dimension_numbers"])
+  m = n + len(lead)
+  # Canonical NCHW / OIHW / NCHW.
+  x = jnp.transpose(x, tuple(range(m)) + tuple(m + a for a in spec.lhs_spec))
+  g = jnp.transpose(g, tuple(range(m)) + tuple(m + a for a in spec.out_spec))
+  batch = (lead + x.shape[m:m + 1])[0]
+  filter_shape = tuple(w.shape[n + a] for a in spec.rhs_spec[2:])
+  patches = lax.conv_general_dilated_patches(
+      x.reshape((-1,) + x.shape[m + 1:]), filter_shape, options["window_strides"],
+      options["padding"], options["lhs_dilation"], options["rhs_dilation"],
+      ("NCHW", "OIHW", "NCHW"), precision=HIGHEST)
+  if patches.shape[2:] != g.shape[m + 2:]:
+    raise ValueError(
+        f"{api}: record {name!r}: the patches of the conv2d input have spatial shape "
+        f"{patches.shape[2:]} but its output cotangent has {g.shape[m + 2:]}.")
+  size = math.prod(stack)
+  patches = patches.reshape(patches.shape[:2] + (-1,))
+  patches = jnp.swapaxes(patches, 1, 2).reshape(size, batch, -1, patches.shape[1])
+  g = g.reshape(g.shape[:m + 2] + (-1,))
+  g = jnp.swapaxes(g, -1, -2).reshape(size, batch, -1, g.shape[m + 1])
+  return patches, g, options["feature_group_count"]
