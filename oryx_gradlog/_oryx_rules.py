@@ -18,6 +18,8 @@ Oryx 0.2.9, and importing `oryx_gradlog` installs rules for them in Oryx's
   number of sows" / "Missing sow in branch". A record site in one branch only is
   exactly that. Our rule has each branch return the records of all branches, with
   zeros for the ones it does not make.
+* Bodies with no sow at all (the small jits inside `jax.numpy`, say): Oryx traces
+  each body twice to reap it; ours bind them unchanged (`_unless_sow_free`).
 * `jit` with `in_shardings`/`out_shardings` (data parallelism inside the reaped
   function): Oryx refuses it ("oryx only supports pjit which has no
   in_axis_resources"). Our rule compiles the reaped body with the same shardings and
@@ -38,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import ad_checkpoint
 from jax._src import core as jax_core
 from jax._src import pjit
 from jax._src.sharding_impls import UnspecifiedValue
@@ -141,6 +144,37 @@ def _reap_pjit_rule(trace, *invals, jaxpr, in_shardings, out_shardings, **params
   return out
 
 
-harvest.reap_custom_rules[lax.scan_p] = _reap_scan_rule
-harvest.reap_custom_rules[lax.cond_p] = _reap_cond_rule
-harvest.reap_custom_rules[pjit.pjit_p] = _reap_pjit_rule
+# Primitives whose rules are Python callables that may sow when differentiated later.
+_OPAQUE = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+
+
+def _may_sow(jaxpr) -> bool:
+  """Whether reaping `jaxpr` could collect anything (conservatively)."""
+  return any(eqn.primitive is harvest.sow_p or eqn.primitive.name in _OPAQUE
+             for eqn in jaxpr.eqns) or any(map(_may_sow, jax_core.subjaxprs(jaxpr)))
+
+
+def _unless_sow_free(rule, primitive):
+  """Binds `primitive` as it is when its bodies hold no sow; else reaps with `rule`.
+
+  Reaping a body traces it twice (for its sows' metadata, then to rebuild it); the
+  many small jits inside `jax.numpy` have nothing to reap, and skipping them makes
+  tracing a recorded step much cheaper.
+  """
+
+  def wrapped(trace, *vals, **params):
+    if any(map(_may_sow, jax_core.jaxprs_in_params(params))):
+      return rule(trace, *vals, **params)
+    return primitive.bind_with_trace(trace.parent_trace, vals, params)
+
+  return wrapped
+
+
+for _primitive, _rule in (
+    (lax.scan_p, _reap_scan_rule),
+    (lax.cond_p, _reap_cond_rule),
+    (pjit.pjit_p, _reap_pjit_rule),
+    (lax.while_p, harvest.reap_custom_rules[lax.while_p]),
+    (ad_checkpoint.remat_p, harvest.reap_custom_rules[ad_checkpoint.remat_p]),
+):
+  harvest.reap_custom_rules[_primitive] = _unless_sow_free(_rule, _primitive)

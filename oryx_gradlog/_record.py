@@ -57,6 +57,7 @@ def record_vjp(
     name: str,
     tag: str = DEFAULT_TAG,
     full: bool = False,
+    argnums: int | Sequence[int] | None = None,
 ) -> Callable[..., Any]:
   """Wraps `f` so that the backward pass records the cotangents of its inputs.
 
@@ -69,6 +70,9 @@ def record_vjp(
     tag: the Oryx tag the record is sown under; `reap` with the same tag collects it.
     full: record a `VJPRecord` (primals, output cotangent, input cotangents) instead
       of the tuple of input cotangents.
+    argnums: positional inputs to record (default: all). The others are `None` in
+      the record and cost nothing: skip e.g. weights whose cotangents `jax.grad`
+      returns anyway, or the network input, whose cotangent plain `grad` never forms.
 
   Returns:
     `f` wrapped with record sites (or a decorator that does this).
@@ -82,16 +86,32 @@ def record_vjp(
   """
   _sites.check_name("record_vjp", name)
   if f is None:
-    return functools.partial(record_vjp, name=name, tag=tag, full=full)
+    return functools.partial(record_vjp, name=name, tag=tag, full=full, argnums=argnums)
+  wanted = None if argnums is None else (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
   @functools.wraps(f)
   def recorded(*args, **kwargs):
-    if not full:
-      return f(*_sites.mark(args, name=name, tag=tag, component=_sites.COTANGENT), **kwargs)
-    args = _sites.mark(args, name=name, tag=tag, component=_sites.INPUTS, full=True)
-    return _sites.mark(f(*args, **kwargs), name=name, tag=tag, component=_sites.OUTPUT)
+    chosen = range(len(args)) if wanted is None else _positions(name, wanted, len(args))
+    inputs = tuple(arg if i in chosen else None for i, arg in enumerate(args))
+    component = _sites.INPUTS if full else _sites.COTANGENT
+    inputs = _sites.mark(inputs, name=name, tag=tag, component=component, full=full)
+    out = f(*(x if i in chosen else arg for i, (x, arg) in enumerate(zip(inputs, args))),
+            **kwargs)
+    if full:
+      out = _sites.mark(out, name=name, tag=tag, component=_sites.OUTPUT)
+    return out
 
   return recorded
+
+
+def _positions(name, argnums, count):
+  bad = [i for i in argnums if not -count <= i < count]
+  if bad:
+    raise ValueError(
+        f"record_vjp(name={name!r}, argnums={argnums}): the function was called with "
+        f"{count} positional arguments, so argnums {bad} do not exist. Pass argnums within "
+        f"range({count}).")
+  return {i % count for i in argnums}
 
 
 def tap(x: Any, *, name: str, tag: str = DEFAULT_TAG) -> Any:

@@ -153,3 +153,22 @@ def test_without_a_reap_sites_compile_to_the_plain_program():
   plain = instructions(_plain_net)
   assert len(plain) > 5
   assert instructions(_net) == plain
+
+
+def test_argnums_records_only_the_chosen_inputs(variant):
+  k1, k2 = jax.random.split(KEY)
+  x, w = jax.random.normal(k1, (5,)), jax.random.normal(k2, (5, 4))
+  head = lambda y: jnp.sum(jnp.sin(y) ** 2)
+  y, pullback = jax.vjp(_layer, x, w)
+  ct_x, ct_w = pullback(jax.grad(head)(y))
+  for argnums, expected in [(0, (ct_x, None)), ((1,), (None, ct_w)), (-1, (None, ct_w))]:
+    layer = gl.record_vjp(_layer, name="layer", argnums=argnums)
+    records = variant(gl.reap, jax.grad(lambda x, w: head(layer(x, w)), argnums=(0, 1)))(x, w)
+    assert_trees_close(records["layer"], expected)
+  full = gl.record_vjp(_layer, name="layer", full=True, argnums=1)
+  record = gl.reap(jax.grad(lambda w: head(full(x, w))))(w)["layer"]
+  assert_trees_close(record.primals, (None, w))
+  assert_trees_close(record.in_cotangents, (None, ct_w))
+  with pytest.raises(ValueError, match=r"record_vjp\(name='layer', argnums=\(2,\)\): the "
+                     r"function was called with 2 positional arguments"):
+    gl.record_vjp(_layer, name="layer", argnums=(2,))(x, w)
