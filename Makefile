@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest oryx_gradlog tests -q
+
+bench: $(VENV)/.installed
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

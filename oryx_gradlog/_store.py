@@ -8,12 +8,16 @@ step does not stall the device. Each leaf becomes one zarr array with a leading
 names, so a run opens with `open_run(run_dir)` as an `xarray.Dataset` or with plain
 `zarr`/numpy.
 
-Crash safety: every step is one chunk of every array (never rewritten), zarr writes
-each file atomically, arrays grow ahead in blocks of steps, and the group attribute
-`committed_steps` is advanced only after all arrays of a step are written; readers
-(`open_run`) see the committed steps only. A run killed at any point (SIGKILL included)
-leaves a store that opens, with every committed step intact; `flush()` returns the
-number committed so far. `RunLog(run_dir, resume=True)` cuts any half-written step
+The writer stages steps on the host and writes them `steps_per_chunk` at a time
+(one zarr chunk per leaf), since a file write per leaf per step would cost more
+than the step. Crash safety: zarr writes each chunk file atomically (a rewritten
+chunk is either old or new, both holding the committed steps), arrays grow ahead in
+blocks of steps, and the group attribute `committed_steps` is advanced only after
+all arrays of the staged steps are written; readers (`open_run`) see the committed
+steps only. A run killed at any point (SIGKILL included)
+leaves a store that opens, with every committed step intact; `flush()` writes the
+staged steps and returns the number committed. Steps staged but not yet flushed
+(at most `steps_per_chunk - 1`) are lost in a crash. `RunLog(run_dir, resume=True)` cuts any half-written step
 and appends after the committed ones. A failed write (disk full, read-only folder)
 stops the writer, leaves the committed steps as they are, and is raised, with the
 fix, by the next `append`, `flush` or `close`.
@@ -25,8 +29,7 @@ Sharp edges:
   * A leaf's shape and dtype must stay the same across steps. A leaf that first
     appears at a later step is back-filled with NaN (0 for integers), as is a leaf
     missing from a step.
-  * One step per chunk means one file per leaf per step: log summaries every step
-    and full records less often, or in separate runs, when there are many.
+  * Staged steps are host copies: at most `steps_per_chunk` steps of every leaf.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import numpy as np
 from oryx_gradlog._summaries import DEFAULT_BINS
 
 STORE_NAME = "log.zarr"
-_STOP = object()
+_STOP, _FLUSH = object(), object()
 
 
 def _require(module: str, api: str):
@@ -100,6 +103,8 @@ class RunLog:
     when_full: `"block"` or `"drop"` when the queue is full.
     resume: append to an existing run instead of refusing to overwrite it.
     bins: the magnitude histogram edges the summaries use, saved for the report.
+    steps_per_chunk: steps written together, as one zarr chunk per leaf (`flush`
+      writes a partial chunk at once).
 
   Example:
     >>> import tempfile, jax.numpy as jnp, oryx_gradlog as gl
@@ -113,7 +118,8 @@ class RunLog:
 
   def __init__(self, run_dir: str | os.PathLike, *, config: Mapping[str, Any] | None = None,
                dims: Mapping[str, tuple[str, ...]] | None = None, queue_size: int = 8,
-               when_full: str = "block", resume: bool = False, bins=DEFAULT_BINS):
+               when_full: str = "block", resume: bool = False, bins=DEFAULT_BINS,
+               steps_per_chunk: int = 16):
     zarr = _require("zarr", "RunLog")
     if when_full not in ("block", "drop"):
       raise ValueError(f"RunLog(when_full={when_full!r}): use 'block' or 'drop'.")
@@ -144,6 +150,9 @@ class RunLog:
           f"RunLog({self.run_dir!r}): cannot write the run folder ({error}). Choose a "
           "writable run_dir.") from error
     self.dropped = int(self._root.attrs["dropped_steps"])
+    self._steps_per_chunk = steps_per_chunk
+    self._layouts = {name: (array.shape[1:], array.dtype) for name, array in self._root.arrays()}
+    self._pending: list[dict[str, np.ndarray]] = []
     self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
     self._when_full = when_full
     self._error: BaseException | None = None
@@ -168,7 +177,8 @@ class RunLog:
       self._queue.put((int(step), logged))
 
   def flush(self) -> int:
-    """Waits until every queued step is written; returns the number of committed steps."""
+    """Writes every step appended so far and waits; returns the committed step count."""
+    self._queue.put(_FLUSH)
     self._queue.join()
     self._raise_if_failed("flush")
     return self._committed
@@ -214,14 +224,17 @@ class RunLog:
     while True:
       item = self._queue.get()
       try:
-        if item is _STOP:
-          return
         if self._error is None:
-          self._write_step(*item)
+          if item is _STOP or item is _FLUSH:
+            self._commit()
+          else:
+            self._stage(*item)
       except BaseException as error:  # noqa: BLE001  (reported to the training thread)
         self._error = error
       finally:
         self._queue.task_done()
+      if item is _STOP:
+        return
 
   def _leading_dims(self, name: str, ndim: int) -> list[str]:
     # A histogram (of `summarize` or `running_statistics`) ends with its bin axis.
@@ -231,43 +244,53 @@ class RunLog:
                   if fnmatch.fnmatchcase(name, pattern)), [])[:lead]
     return names + [f"{name}.axis{i}" for i in range(len(names), lead)] + trailing
 
-  def _write_step(self, step: int, logged: Any) -> None:
+  def _stage(self, step: int, logged: Any) -> None:
+    """Copies one step to the host and checks it; writes once a chunk of steps is full."""
     leaves = {name: np.asarray(value)
               for name, value in flatten_logged(jax.device_get(logged)).items()}
     if "step" in leaves:
       raise ValueError("RunLog.append: 'step' is reserved for the step axis; rename the leaf.")
     leaves["step"] = np.asarray(step, np.int64)
-    row = self._committed
-    if row >= self._capacity:  # Grow every array at once, rarely: one chunk per step.
-      self._capacity = max(2 * self._capacity, _MIN_CAPACITY)
+    for name, value in leaves.items():
+      known = self._layouts.setdefault(name, (value.shape, value.dtype))
+      if known != (value.shape, value.dtype):
+        self._commit()  # Keep the good steps before the bad one.
+        raise ValueError(
+            f"RunLog.append: {name!r} changed from {known[1]}{list(known[0])} to "
+            f"{value.dtype}{list(value.shape)} at step {step}. Keep leaves fixed in shape "
+            "and dtype, or log the new one under another name.")
+    self._pending.append(leaves)
+    if len(self._pending) == self._steps_per_chunk:
+      self._commit()
+
+  def _commit(self) -> None:
+    """Writes the staged steps to every array, then advances `committed_steps`."""
+    if not self._pending:
+      return
+    start, stop = self._committed, self._committed + len(self._pending)
+    if stop > self._capacity:  # Grow every array at once, rarely.
+      self._capacity = max(2 * self._capacity, stop, 4 * self._steps_per_chunk)
       for _, array in self._root.arrays():
         array.resize((self._capacity, *array.shape[1:]))
-    for name, value in leaves.items():
+    for name, (shape, dtype) in self._layouts.items():
       if name not in self._root:
-        dims = ["step"] if name == "step" else ["step", *self._leading_dims(name, value.ndim)]
-        array = self._root.create_array(
-            name, shape=(self._capacity, *value.shape), chunks=(1, *value.shape),
-            dtype=value.dtype, fill_value=-1 if name == "step" else _fill(value.dtype),
+        dims = ["step"] if name == "step" else ["step", *self._leading_dims(name, len(shape))]
+        self._root.create_array(
+            name, shape=(self._capacity, *shape), chunks=(self._steps_per_chunk, *shape),
+            dtype=dtype, fill_value=-1 if name == "step" else _fill(dtype),
             dimension_names=dims)
-      else:
-        array = self._root[name]
-        if array.shape[1:] != value.shape or array.dtype != value.dtype:
-          raise ValueError(
-              f"RunLog.append: {name!r} changed from {array.dtype}{list(array.shape[1:])} to "
-              f"{value.dtype}{list(value.shape)} at step {step}. Keep leaves fixed in shape "
-              "and dtype, or log the new one under another name.")
-      array[row] = value  # Leaves missing from this step keep their fill value.
-    self._root.attrs["committed_steps"] = row + 1  # The commit point.
-    self._committed = row + 1
+      if any(name in leaves for leaves in self._pending):
+        fill = np.full(shape, self._root[name].fill_value, dtype)
+        self._root[name][start:stop] = np.stack(
+            [leaves.get(name, fill) for leaves in self._pending])  # Missing: fill value.
+    self._root.attrs["committed_steps"] = stop  # The commit point.
+    self._committed, self._pending = stop, []
 
   def _truncate_to_committed(self) -> None:
     for _, array in self._root.arrays():
       if array.shape and array.shape[0] != self._committed:
         array.resize((self._committed, *array.shape[1:]))
     self._capacity = self._committed
-
-
-_MIN_CAPACITY = 64
 
 
 def _fill(dtype) -> Any:

@@ -73,13 +73,13 @@ def test_resume_appends_and_an_existing_run_is_not_overwritten(tmp_path):
 
 
 def test_drop_policy_counts_dropped_steps(tmp_path, monkeypatch):
-  slow = gl.RunLog._write_step
+  slow = gl.RunLog._stage
 
   def slow_write(self, step, logged):
     time.sleep(0.05)
     slow(self, step, logged)
 
-  monkeypatch.setattr(gl.RunLog, "_write_step", slow_write)
+  monkeypatch.setattr(gl.RunLog, "_stage", slow_write)
   log = gl.RunLog(tmp_path, queue_size=1, when_full="drop")
   for step in range(20):
     log.append(step, {"x": np.float32(step)})
@@ -105,29 +105,27 @@ def test_a_changed_leaf_is_a_clear_error(tmp_path):
 def test_disk_full_raises_with_the_fix_and_corrupts_nothing(tmp_path, monkeypatch):
   import zarr.storage._local as local  # The file writes of zarr's LocalStore.
 
-  real_put, calls = local._put, []
+  def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
 
-  def put(path, value, *args, **kwargs):
-    if "x/c/3" in str(path).replace(os.sep, "/"):  # The chunk of step 3.
-      raise OSError(errno.ENOSPC, "No space left on device")
-    calls.append(path)
-    return real_put(path, value, *args, **kwargs)
-
-  monkeypatch.setattr(local, "_put", put)
-  log = gl.RunLog(tmp_path)
-  for step in range(6):
+  log = gl.RunLog(tmp_path, steps_per_chunk=2)
+  for step in range(3):
+    log.append(step, {"x": np.full(2, step, np.float32)})
+  assert log.flush() == 3  # Steps 0-1 as a chunk, step 2 in half of the next one.
+  monkeypatch.setattr(local, "_put", full_disk)
+  for step in range(3, 6):  # Rewrites the chunk that holds step 2: it must survive.
     log.append(step, {"x": np.full(2, step, np.float32)})
   with pytest.raises(RuntimeError, match=r"No space left on device. The 3 steps before it are "
                      r"saved intact. Free disk space.*resume=True"):
     log.flush()
-  monkeypatch.setattr(local, "_put", real_put)
+  monkeypatch.undo()
   with pytest.raises(RuntimeError):
     log.close()
   run = gl.open_run(tmp_path)
   np.testing.assert_array_equal(run["x"].values, [[0, 0], [1, 1], [2, 2]])
   with gl.RunLog(tmp_path, resume=True) as log:  # And the run continues.
     log.append(3, {"x": np.full(2, 3, np.float32)})
-  np.testing.assert_array_equal(gl.open_run(tmp_path)["x"].values[-1], [3, 3])
+  np.testing.assert_array_equal(gl.open_run(tmp_path)["x"].values[:, 0], [0, 1, 2, 3])
 
 
 def test_read_only_folder_is_a_clear_error():

@@ -1,0 +1,224 @@
+"""Runs every benchmark workload and writes the results table to RESULTS.md.
+
+Each workload script (`bench_*.py`) compares ways of computing one training step
+side by side in one process (see `_harness.py` for the method: interleaved rounds,
+medians of per-round ratios, compile time excluded, `block_until_ready` on every
+output, XLA's memory analysis of each compiled program). This runner runs them in
+turn, prints one table of ratios with each target marked met or missed, and
+writes `benchmarks/RESULTS.md` with the machine, the date, every variant's time,
+memory and HLO counts, and for each missed target what the HLO says and what would
+fix it.
+
+Run:
+  python benchmarks/run.py              # full sizes (a few minutes), writes RESULTS.md
+  python benchmarks/run.py --quick      # scaled-down smoke run (under a minute)
+  python benchmarks/run.py --device gpu # on a GPU: absolute times, targets not judged
+  python benchmarks/run.py --only 1,3   # some workloads
+
+A `--quick` run prints its tables but writes a file only when given `--output`, so
+that a smoke run never replaces the full results.
+
+Sharp edges:
+  * By default glibc's malloc is told to keep freed memory (`--malloc retain`, see
+    `_harness.retain_freed_memory`). A full CPU run first measures workload 1 with the
+    system's defaults too, so the table shows what page faults add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import time
+
+import jax
+
+import _harness as h
+import bench_compile_time
+import bench_disk_stream
+import bench_full_records
+import bench_host_callback
+import bench_running_stats
+import bench_scaling
+import bench_summaries
+import bench_zero_perturbation
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKLOADS = {
+    1: bench_full_records,
+    2: bench_host_callback,
+    3: bench_zero_perturbation,
+    4: bench_summaries,
+    5: bench_running_stats,
+    6: bench_compile_time,
+    7: bench_scaling,
+    8: bench_disk_stream,
+}
+TARGETS = {
+    1: "full records <= 1.10 x plain grad",
+    2: "host callback >= 1.25 x slower than ours (CPU)",
+    3: "full records <= 1.08 x the zero-perturbation trick",
+    4: "summaries only <= 1.05 x plain grad",
+    6: "trace+compile <= 1.5 x plain",
+    7: "ratio stays flat from 4 to 64 layers and batch 32 to 1024 (spread <= 0.10)",
+}
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="scaled-down sizes, a smoke run")
+  parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+  parser.add_argument(
+      "--malloc", choices=("retain", "system"), default="retain",
+      help="retain: glibc keeps freed memory (steadier ratios); system: glibc defaults")
+  parser.add_argument("--only", default="", help="comma-separated workload numbers")
+  parser.add_argument(
+      "--output", type=pathlib.Path, default=None,
+      help="where to write the markdown (default: benchmarks/RESULTS.md for a full run, "
+      "none for --quick)")
+  return parser.parse_args(argv)
+
+
+def _selected(only: str) -> list[int]:
+  numbers = sorted(WORKLOADS)
+  if not only:
+    return numbers
+  wanted = {int(n) for n in only.split(",") if n.strip()}
+  unknown = wanted - set(numbers)
+  if unknown:
+    raise SystemExit(f"run.py --only: no workload {sorted(unknown)}; choose from {numbers}")
+  return [n for n in numbers if n in wanted]
+
+
+def _as_reference(result: h.WorkloadResult, allocator: str) -> h.WorkloadResult:
+  """Marks a result measured under another allocator as information only."""
+  comparisons = [
+      dataclasses.replace(c, what=f"{c.what} [{allocator}]", target=None)
+      for c in result.comparisons
+  ]
+  measurements = {
+      key: dataclasses.replace(m, label=f"{m.label} [{allocator}]")
+      for key, m in result.measurements.items()
+  }
+  return dataclasses.replace(
+      result, title=f"{result.title}, with {allocator}", comparisons=comparisons,
+      measurements=measurements)
+
+
+def _summary_lines(results: list[h.WorkloadResult], numbers: list[int]) -> list[str]:
+  """Returns the table of every comparison, in workload order."""
+  lines = list(h.COMPARISON_HEADER)
+  for number in numbers:
+    lines += [h.format_comparison(c) for r in results if r.number == number
+              for c in r.comparisons]
+  return lines
+
+
+def _markdown(results, numbers, machine, settings, allocator, elapsed_s) -> str:
+  judged = [c for r in results for c in r.comparisons if c.target is not None]
+  missed = [c for c in judged if c.status == "MISSED"]
+  out = [
+      "# Benchmark results",
+      "",
+      (f"Written by `python benchmarks/run.py{' --quick' if settings.quick else ''}"
+       f"{' --device gpu' if settings.device == 'gpu' else ''}` on {machine['date']} "
+       f"in {elapsed_s:.0f} s. Regenerate with `make bench` (or the command above); the "
+       "numbers move from run to run on a shared machine, the ratios much less than the "
+       "times."),
+      "",
+      "## Machine",
+      "",
+      "| | |",
+      "|---|---|",
+      *[f"| {key} | {value} |" for key, value in machine.items()],
+      f"| allocator | {allocator} |",
+      "",
+      "## Method",
+      "",
+      ("Every workload times its variants side by side in one process: a warm-up compiles "
+       "and runs each variant (compile time is never timed, except in workload 6, which "
+       "times only that), then rounds alternate the variants (A B C, C B A, ...), each "
+       "timing a short block of back-to-back calls that each wait for all outputs "
+       "(`block_until_ready`, plus `jax.effects_barrier` for host callbacks). A ratio is "
+       "the median over rounds of the per-round ratio, given with the interquartile range "
+       "of those ratios; a time is the median over rounds. Memory is XLA's analysis of "
+       "the compiled program (`lower().compile().memory_analysis()`); peak = arguments + "
+       "outputs + temporaries - aliased. HLO counts are the top-level instructions of "
+       "the optimized program (`compile().as_text()`). Workload 1's A/A row (the plain "
+       "step against itself, jitted twice) shows how far noise alone moves a ratio in "
+       "this run."),
+      "",
+      "## Targets",
+      "",
+      *[f"- {n}: {TARGETS[n]}" for n in sorted(TARGETS) if n in numbers],
+      "",
+      f"{len(judged) - len(missed)} of {len(judged)} judged targets met"
+      + ("" if settings.judge_targets else " (targets are for CPU; not judged here)")
+      + ".",
+      "",
+      "## Results",
+      "",
+      *_summary_lines(results, numbers),
+      "",
+  ]
+  for result in results:
+    out += [f"### {result.number}. {result.title}", ""]
+    out += h.format_comparisons(result.comparisons) + [""]
+    out += h.format_measurements(result) + [""]
+    out += [f"- {note}" for note in result.notes] + [""]
+  if missed:
+    out += ["## Missed targets: why, and what would fix it", ""]
+    for c in missed:
+      out += [
+          f"### {c.workload}. {c.what} vs {c.baseline}: {c.value:.3f} (target {c.target})",
+          "",
+          c.explanation or "No explanation recorded.",
+          "",
+      ]
+  return "\n".join(out)
+
+
+def main(argv=None) -> None:
+  """Runs the selected workloads, prints the table, writes the markdown."""
+  args = _parse_args(argv)
+  settings = h.Settings.make(args.quick, args.device)
+  numbers = _selected(args.only)
+  device = h.device_for(settings)
+  started = time.perf_counter()
+  results = []
+  with jax.default_device(device):
+    machine = h.machine_description(settings)
+    if (args.malloc == "retain" and 1 in numbers and not settings.quick
+        and settings.device == "cpu"):
+      print("[1, system malloc] ...", file=sys.stderr, flush=True)
+      reference = _as_reference(bench_full_records.run(settings), "system malloc")
+    else:
+      reference = None
+    allocator = (h.retain_freed_memory() if args.malloc == "retain"
+                 else "system default (glibc)")
+    for number in numbers:
+      if number not in WORKLOADS:
+        continue
+      print(f"[{number}] {WORKLOADS[number].TITLE} ...", file=sys.stderr, flush=True)
+      start = time.perf_counter()
+      result = WORKLOADS[number].run(settings)
+      print(f"[{number}] done in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+            flush=True)
+      results.append(result)
+      if number == 1 and reference is not None:
+        results.append(reference)
+  elapsed = time.perf_counter() - started
+  print(f"\n# Benchmarks ({'quick' if settings.quick else 'full'}, {device.platform}, "
+        f"{machine['date']}, {elapsed:.0f} s)\n")
+  print("\n".join(_summary_lines(results, numbers)))
+  output = args.output or (None if settings.quick else HERE / "RESULTS.md")
+  if output is not None:
+    if settings.device == "gpu" and args.output is None:
+      output = HERE / "RESULTS-gpu.md"
+    output.write_text(_markdown(results, numbers, machine, settings, allocator, elapsed))
+    print(f"\nwrote {output}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,71 @@
+"""Smoke test of `benchmarks/`: a workload runs in-process at tiny sizes.
+
+Benchmarks print ratios and never assert on time (STYLE.md); this only checks that
+the recorded and plain variants compute the same gradients, that the harness
+returns positive timings and memory figures, and that the logging workloads (4, 5, 8)
+run and check their values.
+"""
+
+import importlib
+import pathlib
+
+import jax
+import pytest
+from conftest import assert_trees_close
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+  """Makes the benchmark scripts importable; returns an importer."""
+  monkeypatch.syspath_prepend(str(BENCHMARKS))
+  return importlib.import_module
+
+
+def _tiny(benchmarks):
+  harness, mlp = benchmarks("_harness"), benchmarks("_mlp")
+  sizes = mlp.Sizes(layers=2, width=16, batch=4)
+  settings = harness.Settings(
+      quick=True, max_rounds=3, min_rounds=3, budget_s=0.0, min_block_s=0.0,
+      compile_rounds=1)
+  return sizes, settings
+
+
+def test_recorded_and_plain_variants_return_equal_gradients(benchmarks):
+  # Setup: the tiny variants of workload 1.
+  full_records = benchmarks("bench_full_records")
+  sizes, _ = _tiny(benchmarks)
+  variants = full_records.variants(sizes)
+  # True computation: the plain gradient.
+  expected = variants["plain"]()
+  # Library computation, and comparison.
+  for key in ("record_vjp", "tap", "record_inputs"):
+    grads, records = variants[key]()
+    assert_trees_close(grads, expected)
+    assert records, key
+  full_records.check(variants, sizes)  # What the benchmark checks before timing.
+
+
+def test_quick_workload_returns_positive_timings(benchmarks):
+  full_records = benchmarks("bench_full_records")
+  sizes, settings = _tiny(benchmarks)
+  with jax.default_device(jax.devices("cpu")[0]):
+    result = full_records.run(settings, sizes)
+  assert result.number == 1
+  for measurement in result.measurements.values():
+    assert len(measurement.seconds) == 3
+    assert all(s > 0 for s in measurement.seconds), measurement.label
+    assert measurement.memory["output"] > 0 and measurement.memory["peak"] > 0
+    assert measurement.hlo["dots"] > 0
+  for comparison in result.comparisons:
+    assert comparison.value > 0, comparison.what
+    assert comparison.status in ("met", "MISSED", "info")
+
+
+@pytest.mark.parametrize("module", ["bench_summaries", "bench_running_stats",
+                                    "bench_disk_stream"])
+def test_logging_workloads_run_and_check_their_values(benchmarks, module):
+  sizes, settings = _tiny(benchmarks)
+  result = benchmarks(module).run(settings, sizes)  # Each checks its values first.
+  assert result.comparisons and all(c.value > 0 for c in result.comparisons)
