@@ -40,9 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import ad_checkpoint
+from jax._src import ad_checkpoint, pjit
 from jax._src import core as jax_core
-from jax._src import pjit
 from jax._src.sharding_impls import UnspecifiedValue
 from jax.extend.core import jaxpr_as_fun
 from oryx.core.interpreters import harvest
