@@ -2,11 +2,13 @@
 
 A reaped call runs the user's function under an Oryx harvest trace whose context
 (`_Collector`) keeps every record site's sow in the order it arrives. Each
-transposition of a site sows under a unique name (`_sites.py`), so Oryx never sees a
-name twice inside a `jit`, `scan`, `cond` or `checkpoint` body; the collector then
-groups the sows by the user's name and stacks repeated calls along a new leading
-axis. A backward pass reaches sites in the reverse of the forward order, so the
-collector reverses the arrivals: index 0 is the first call in the forward pass.
+differentiated call of a site sows under names unique to it (`_sites.py`), so Oryx
+never sees a name twice inside a `jit`, `scan`, `cond` or `checkpoint` body. Its
+`SITE` sow arrives on the forward pass, in forward order; its `RECORD` sow when the
+backward pass reaches it, in reverse. The collector pairs them by uid, so records
+come out in forward call order (index 0 is the first call) even when backward
+passes interleave with forward ones, fills zeros for a call no backward pass
+reached (`stop_gradient`), and stacks repeated calls along a new leading axis.
 
 Records are the backward pass's own arrays: they are outputs of the traced
 program, never copied to the host, and under `jit` they are outputs of the one
@@ -19,9 +21,9 @@ Sharp edges:
     `lax.scan` the iterations stack: `(iterations, ...)`, or `(k, iterations, ...)`
     for k calls of one name per iteration.
   * When several backward passes run inside one reaped function (a `jax.grad`
-    inside the loss, as in MAML), every pass adds its records to the same name, and
-    the last pass to finish comes first. Reap the inner gradient with its own
-    `call_and_reap` to keep its records under a separate dict.
+    inside the loss, as in MAML), each call's record joins the same name, in forward
+    call order (MAML: the inner step's call, then the outer loss's). Reap the inner
+    gradient with its own `call_and_reap` to keep its records in a separate dict.
   * A reap collects the sites of one tag; a nested reap of the same tag takes the
     records made inside it, and the outer reap does not see them.
   * A function traced once and called several times inside a `jit` or `checkpoint`
