@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog._running import StatisticsTransform
+from oryx_gradlog._running import StatisticsTransform, debias
 
 
 @functools.partial(
@@ -50,9 +50,7 @@ class MovingAverage:
   @property
   def debiased(self) -> Any:
     """`value` divided by `1 - decay ** steps` (zero before the first update)."""
-    correction = 1.0 - self.decay ** self.steps.astype(jnp.float32)
-    safe = jnp.where(self.steps > 0, correction, 1.0)
-    return jax.tree.map(lambda v: v / safe.astype(v.dtype), self.value)
+    return debias(self.value, self.decay, self.steps)
 
 
 def moving_average(decay: float = 0.99) -> StatisticsTransform:

@@ -70,7 +70,14 @@ class RunningStats:
   @property
   def debiased_ema(self) -> jax.Array:
     """The EMA divided by `1 - decay ** steps`."""
-    return self.ema / jnp.maximum(1 - self.decay ** self.steps.astype(jnp.float32), 1e-12)
+    return debias(self.ema, self.decay, self.steps)
+
+
+def debias(tree: Any, decay: float, steps: jax.Array) -> Any:
+  """Divides an EMA (a pytree) by `1 - decay ** steps`, as Adam does; zero at step 0."""
+  correction = 1.0 - decay ** steps.astype(jnp.float32)
+  safe = jnp.where(steps > 0, correction, 1.0)
+  return jax.tree.map(lambda v: v / safe.astype(v.dtype), tree)
 
 
 class StatisticsTransform(NamedTuple):
