@@ -1,20 +1,28 @@
-# Two commands on a fresh machine with Python 3.11 and make:
+# Two commands on a fresh machine with Python 3.10+ and make:
 #   make demo   creates .venv, installs the package, trains the digits MLP with every
 #               step's cotangents logged to runs/digits, and writes runs/digits/report
 #   make test   creates .venv, installs the package with its test extras, runs pytest
+# Both use the JAX 0.5.0 set, the one that installs from the package index alone.
+#
+# The supported matrix (README, "Versions"): one virtual environment per set, each
+# installed from scratch with the exact versions of constraints/$(set).txt.
+#   make test-all              every set
+#   make test-set SET=jax-0.10.2
+#   make bench-set SET=jax-0.10.2
+# Sets on Oryx's main branch install Oryx with --no-deps from the wheel in
+# $(SHARED_ORYX)/COMMIT/ where it exists (CI, machines without GitHub), else from git.
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
+EXTRAS = test,store,report,demo
+SETS = jax-0.5.0 jax-0.8.2 jax-0.10.2
+SET ?= jax-0.5.0
+SHARED_ORYX ?= ../shared/oryx
+# The Oryx main commit of each set that needs one.
+ORYX_COMMIT_jax-0.8.2 = aa33090
+ORYX_COMMIT_jax-0.10.2 = 9b9ef13
 
-.PHONY: demo test bench clean
-
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-
-$(VENV)/.installed: setup.cfg pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,store,report,demo]"
-	touch $@
+.PHONY: demo test bench test-all test-set bench-set clean
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/08_digits_training.py --run-dir runs/digits
@@ -25,5 +33,34 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/run.py
 
+$(VENV)/.installed: setup.cfg pyproject.toml constraints/jax-0.5.0.txt
+	$(MAKE) --no-print-directory .venv-install DIR=$(VENV) SET=jax-0.5.0
+
+test-all:
+	set -e; for set in $(SETS); do $(MAKE) --no-print-directory test-set SET=$$set; done
+
+test-set: .venv-$(SET)/.installed
+	.venv-$(SET)/bin/python -m pytest oryx_gradlog tests -q
+
+bench-set: .venv-$(SET)/.installed
+	.venv-$(SET)/bin/python benchmarks/run.py
+
+.venv-%/.installed: setup.cfg pyproject.toml constraints/%.txt
+	$(MAKE) --no-print-directory .venv-install DIR=.venv-$* SET=$*
+
+# Installs set $(SET) into $(DIR) from scratch.
+ORYX_COMMIT = $(ORYX_COMMIT_$(SET))
+ORYX_EXTRA = $(if $(ORYX_COMMIT),oryx-main,oryx-release)
+ORYX_SOURCE = $(or $(wildcard $(SHARED_ORYX)/$(ORYX_COMMIT)/oryx-*.whl),oryx @ git+https://github.com/jax-ml/oryx@$(ORYX_COMMIT))
+.PHONY: .venv-install
+.venv-install:
+	rm -rf $(DIR)
+	$(PYTHON) -m venv $(DIR)
+	$(DIR)/bin/python -m pip install --quiet --upgrade pip
+	$(DIR)/bin/python -m pip install --quiet -c constraints/$(SET).txt -e ".[$(ORYX_EXTRA),$(EXTRAS)]"
+	$(if $(ORYX_COMMIT),$(DIR)/bin/python -m pip install --quiet --no-deps "$(ORYX_SOURCE)")
+	$(DIR)/bin/python -c "import jax, oryx_gradlog; print('$(SET) in $(DIR): jax', jax.__version__)"
+	touch $(DIR)/.installed
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(addprefix .venv-,$(SETS)) build *.egg-info

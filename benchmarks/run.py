@@ -5,12 +5,14 @@ side by side in one process (see `_harness.py` for the method: interleaved round
 medians of per-round ratios, compile time excluded, `block_until_ready` on every
 output, XLA's memory analysis of each compiled program). This runner runs them in
 turn, prints one table of ratios with each target marked met or missed, and
-writes `benchmarks/RESULTS.md` with the machine, the date, every variant's time,
-memory and HLO counts, and for each missed target what the HLO says and what would
-fix it.
+writes `benchmarks/results/{cpu,gpu}-jax-VERSION.md` with the machine, the date,
+every variant's time, memory and HLO counts, and for each missed target what the
+HLO says and what would fix it, plus the same ratios as JSON. Then it rewrites
+`benchmarks/RESULTS.md`: the ratios of every JAX version and device in `results/`
+side by side (`make bench` for JAX 0.5.0, `make bench-set SET=jax-0.10.2`).
 
 Run:
-  python benchmarks/run.py              # full sizes (a few minutes), writes RESULTS.md
+  python benchmarks/run.py              # full sizes (a few minutes), writes results/
   python benchmarks/run.py --quick      # scaled-down smoke run (under a minute)
   python benchmarks/run.py --device gpu # on a GPU: absolute times, targets not judged
   python benchmarks/run.py --only 1,3   # some workloads
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import sys
 import time
@@ -75,8 +78,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--only", default="", help="comma-separated workload numbers")
   parser.add_argument(
       "--output", type=pathlib.Path, default=None,
-      help="where to write the markdown (default: benchmarks/RESULTS.md for a full run, "
-      "none for --quick)")
+      help="where to write the markdown (default: benchmarks/results/DEVICE-jax-VERSION.md "
+      "for a full run, none for --quick)")
   return parser.parse_args(argv)
 
 
@@ -212,13 +215,74 @@ def main(argv=None) -> None:
   print(f"\n# Benchmarks ({'quick' if settings.quick else 'full'}, {device.platform}, "
         f"{machine['date']}, {elapsed:.0f} s)\n")
   print("\n".join(_summary_lines(results, numbers)))
-  output = args.output or (None if settings.quick else HERE / "RESULTS.md")
+  if args.output is not None:
+    output = args.output
+  elif not settings.quick:
+    output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}.md"
+  else:
+    output = None
   if output is not None:
-    if settings.device == "gpu" and args.output is None:
-      output = HERE / "RESULTS-gpu.md"
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(_markdown(results, numbers, machine, settings, allocator, elapsed))
-    print(f"\nwrote {output}")
+    output.with_suffix(".json").write_text(json.dumps({
+        "file": output.name, "machine": machine,
+        "comparisons": [_as_json(c) for r in results for c in r.comparisons],
+    }, indent=1))
+    print(f"\nwrote {output} and its .json")
+    if args.output is None:
+      runs = sorted(output.parent.glob("*.json"), key=_run_order)
+      (HERE / "RESULTS.md").write_text(side_by_side(runs))
+      print(f"wrote {HERE / 'RESULTS.md'}")
 
+
+def _run_order(path: pathlib.Path) -> tuple:
+  """Orders `cpu-jax-0.5.0` before `cpu-jax-0.10.2`, CPU runs before GPU runs."""
+  device, _, version = path.stem.partition("-jax-")
+  return (device != "cpu", device, tuple(int(p) for p in version.split(".") if p.isdigit()))
+
+
+def _as_json(c: h.Comparison) -> dict:
+  return {"workload": c.workload, "what": c.what, "baseline": c.baseline,
+          "value": c.value, "low": c.low, "high": c.high,
+          "target": None if c.target is None else str(c.target), "status": c.status}
+
+
+def side_by_side(paths: list[pathlib.Path]) -> str:
+  """The ratios of several runs (JAX versions, devices) in one table, from their JSON."""
+  runs = [json.loads(p.read_text()) for p in paths]
+  names = [p.stem for p in paths]
+  rows: dict[tuple, dict[str, dict]] = {}
+  for name, run in zip(names, runs):
+    for c in run["comparisons"]:
+      rows.setdefault((c["workload"], c["what"], c["baseline"], c["target"]), {})[name] = c
+  def cell(c):
+    if c is None:
+      return "-"
+    ratio = f"{c['value']:.3f}" + ("x" if c["low"] is not None else "")
+    return ratio + ("" if c["target"] is None else f" {c['status']}")
+  out = [
+      "# Benchmark results, side by side",
+      "",
+      ("Each column is one full run of `benchmarks/run.py` (`make bench` for JAX 0.5.0, "
+       "`make bench-set SET=jax-0.10.2` for the newest JAX), in one process per run; "
+       "every ratio compares variants timed side by side within that run (method, times, "
+       "memory and HLO counts in each run's file). Runs on different JAX versions were "
+       "made at different times on a shared machine: compare ratios, not times."),
+      "",
+      "| run | file | date | versions | load at start |",
+      "|---|---|---|---|---|",
+      *[f"| {n} | [results/{r['file']}](results/{r['file']}) | {r['machine'].get('date')} | "
+        f"{r['machine'].get('versions')} | "
+        f"{r['machine'].get('load average (1, 5, 15 min) at start', '-')} |"
+        for n, r in zip(names, runs)],
+      "",
+      "| # | variant | vs | target | " + " | ".join(names) + " |",
+      "|---|---|---|---|" + "---|" * len(names),
+  ]
+  for (number, what, baseline, target), by_run in sorted(rows.items(), key=lambda i: i[0][0]):
+    out.append(f"| {number} | {what} | {baseline} | {target or '-'} | "
+               + " | ".join(cell(by_run.get(n)) for n in names) + " |")
+  return "\n".join(out) + "\n"
 
 if __name__ == "__main__":
   main()

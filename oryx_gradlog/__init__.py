@@ -11,7 +11,7 @@ any function that runs a backward pass through them:
 
 from oryx_gradlog import _compat
 
-_compat.check_versions()
+_compat.check_supported()
 
 from oryx_gradlog import _oryx_rules  # noqa: F401  (installs Oryx rules)
 from oryx_gradlog._curvature import (

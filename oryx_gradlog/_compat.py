@@ -1,43 +1,100 @@
-"""Checks, before Oryx is imported, that JAX and Oryx are versions we support.
+"""Checks, when the package is imported, that the installed JAX and Oryx work together.
 
-Oryx 0.2.9 (its last release) reaches into JAX internals. Measured with
-tensorflow-probability 0.25.0: JAX/jaxlib 0.4.38 and 0.5.0 work; 0.5.1 and 0.5.2
-break Oryx's scan and remat rules; 0.5.3 and later fail inside Oryx at import.
-An unsupported combination is an `ImportError` that names the working versions and
-the pip line that installs them, instead of an `AttributeError` deep inside Oryx.
+Oryx's last release (0.2.9) imports only on JAX 0.4.38-0.5.x; its main branch keeps
+up with JAX, one commit for a narrow band of releases, and every commit calls itself
+0.2.9. So the check is by feature, not by version: import Oryx's harvest, then reap
+a probe that has what record sites need (an `append` sow inside `lax.scan`, a
+`lax.cond` and a `jax.jit`). Where that fails, the `ImportError` names what is
+installed and gives the install lines of each supported set, nearest to the user's
+JAX first, instead of an `AttributeError` deep inside Oryx.
+
+Sharp edges:
+  * A JAX release between two supported ones passes when its Oryx passes the probe;
+    the test matrix (README, "Versions") lists the sets that were tested.
+  * tensorflow-probability and tfp-nightly install the same module; having both is
+    named in the error, since either one can shadow the other.
 """
+
+from __future__ import annotations
 
 from importlib import metadata
 
-SUPPORTED_VERSIONS = {
-    "jax": ("0.4.38", "0.5.0"),
-    "jaxlib": ("0.4.38", "0.5.0"),
-    "oryx": ("0.2.9",),
-}
-PIP_LINE = (
-    'pip install "jax==0.5.0" "jaxlib==0.5.0" "oryx==0.2.9" '
-    '"tensorflow-probability==0.25.0"'
+# The tested sets: (JAX versions, Oryx source, TensorFlow Probability, install line).
+SUPPORTED = (
+    (("0.4.38", "0.5.0"), "Oryx 0.2.9 (PyPI)", "tensorflow-probability 0.25.0",
+     'pip install "jax==0.5.0" "jaxlib==0.5.0" "oryx==0.2.9" '
+     '"tensorflow-probability==0.25.0"'),
+    (("0.8.2",), "Oryx main @aa33090", "tfp-nightly",
+     'pip install "jax==0.8.2" "jaxlib==0.8.2" "tfp-nightly==0.26.0.dev20261027" && '
+     'pip install --no-deps "oryx @ git+https://github.com/jax-ml/oryx@aa33090"'),
+    (("0.10.2",), "Oryx main @9b9ef13", "tfp-nightly",
+     'pip install "jax==0.10.2" "jaxlib==0.10.2" "tfp-nightly==0.26.0.dev20261027" && '
+     'pip install --no-deps "oryx @ git+https://github.com/jax-ml/oryx@9b9ef13"'),
 )
 
 
-def _installed(package: str) -> str | None:
+def _version(package: str) -> str | None:
   try:
     return metadata.version(package)
   except metadata.PackageNotFoundError:
     return None
 
 
-def check_versions(installed=_installed) -> None:
-  """Raises `ImportError` unless every supported package is at a working version."""
-  problems = []
-  for package, working in SUPPORTED_VERSIONS.items():
-    version = installed(package)
-    if version not in working:
-      found = "not installed" if version is None else f"version {version}"
-      problems.append(f"{package} is {found} (works with {', '.join(working)})")
-  if problems:
-    raise ImportError(
-        "oryx_gradlog needs versions of JAX and Oryx that work together: "
-        + "; ".join(problems)
-        + f". Install a working combination with: {PIP_LINE}"
-    )
+def _release(version: str | None) -> tuple[int, ...]:
+  parts = []
+  for part in (version or "0").split(".")[:3]:
+    digits = "".join(c for c in part if c.isdigit())
+    parts.append(int(digits or 0))
+  return tuple(parts)
+
+
+def install_lines(jax_version: str | None) -> str:
+  """The supported sets' install lines, the one nearest to `jax_version` first."""
+  target = _release(jax_version)
+  def distance(entry):
+    return min(abs(_release(v)[1] - target[1]) + 100 * abs(_release(v)[0] - target[0])
+               for v in entry[0])
+  return "\n".join(
+      f"  JAX {' or '.join(versions)} with {oryx} and {tfp}:\n    {line}"
+      for versions, oryx, tfp, line in sorted(SUPPORTED, key=distance))
+
+
+def unsupported_message(error: BaseException, installed=_version) -> str:
+  """What is installed, why it cannot work, and the install lines that fix it."""
+  packages = ("jax", "jaxlib", "oryx", "tensorflow-probability", "tfp-nightly")
+  found = ", ".join(f"{p} {installed(p) or 'not installed'}" for p in packages)
+  both = installed("tensorflow-probability") and installed("tfp-nightly")
+  return (
+      "oryx_gradlog needs JAX and Oryx releases that work together, and this "
+      f"environment has {found}, where Oryx's harvest fails: "
+      f"{type(error).__name__}: {error}. "
+      + ("tensorflow-probability and tfp-nightly both install the module "
+         "`tensorflow_probability`: uninstall both, then install the one of your set. "
+         if both else "")
+      + "Install the set for your JAX (README, 'Versions'):\n"
+      + install_lines(installed("jax"))
+  )
+
+
+def _probe() -> None:
+  """Reaps what record sites need from Oryx: scan with append sows, cond, jit."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  from oryx.core import reap, sow  # pylint: disable=g-import-not-at-top
+
+  def body(carry, x):
+    x = sow(x * carry, tag="probe", name="x", mode="append")
+    return lax.cond(x > 0, jax.jit(lambda c: c + x), lambda c: c, carry), None
+
+  reaped = reap(lambda xs: lax.scan(body, 1.0, xs)[0], tag="probe")
+  shapes = jax.eval_shape(reaped, jax.ShapeDtypeStruct((3,), "float32"))
+  if shapes["x"].shape != (3,):
+    raise RuntimeError(f"a scan of 3 steps reaped {shapes['x'].shape}, not (3,)")
+
+
+def check_supported(probe=_probe, installed=_version) -> None:
+  """Raises `ImportError`, with the fix, unless Oryx's harvest works on this JAX."""
+  try:
+    probe()
+  except Exception as error:  # pylint: disable=broad-except
+    raise ImportError(unsupported_message(error, installed)) from error

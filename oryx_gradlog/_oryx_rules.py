@@ -13,7 +13,8 @@ Oryx 0.2.9, and importing `oryx_gradlog` installs rules for them in Oryx's
   "safe_zip() argument 2 is shorter than argument 1". Reaping the function that
   `jax.vjp` returns usually got lucky with the counts, which is why it seemed to
   work. Our rule rebuilds the loop with `lax.scan` itself, which keeps its own
-  flags right.
+  flags right. Oryx's main branch (@aa33090, @9b9ef13) no longer fails here; the
+  rule stays for Oryx 0.2.9, and is one code path on every supported JAX.
 * `cond`/`switch` whose branches sow different names: Oryx raises "Mismatching
   number of sows" / "Missing sow in branch". A record site in one branch only is
   exactly that. Our rule has each branch return the records of all branches, with
@@ -29,8 +30,9 @@ Sharp edges:
   * These rules take over only in those cases; other scans, conds and jits (clobber
     sows, matching branches, no shardings) go to Oryx's own rules unchanged. The registry is global, so
     this applies to every Oryx reap in the process.
-  * The canary tests in `tests/test_oryx_canaries.py` fail loudly when an Oryx
-    release fixes these cases, so the rules can then be deleted.
+  * The canary tests in `tests/test_oryx_canaries.py` say which of these cases
+    each Oryx still fails, so a rule can be deleted once no supported Oryx needs it.
+  * The primitives and Oryx internals used here come from `_internals.py`.
 """
 
 from __future__ import annotations
@@ -40,15 +42,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import ad_checkpoint, pjit
-from jax._src import core as jax_core
-from jax._src.sharding_impls import UnspecifiedValue
-from jax.extend.core import jaxpr_as_fun
-from oryx.core.interpreters import harvest
 
-_oryx_scan_rule = harvest.reap_custom_rules[lax.scan_p]
-_oryx_cond_rule = harvest.reap_custom_rules[lax.cond_p]
-_oryx_pjit_rule = harvest.reap_custom_rules[pjit.pjit_p]
+from oryx_gradlog._internals import (
+    UnspecifiedValue,
+    cond_p,
+    harvest,
+    jaxpr_as_fun,
+    jaxprs_in_params,
+    jit_p,
+    remat_p,
+    scan_p,
+    set_current_trace,
+    subjaxprs,
+    while_p,
+)
+
+_oryx_scan_rule = harvest.reap_custom_rules[scan_p]
+_oryx_cond_rule = harvest.reap_custom_rules[cond_p]
+_oryx_pjit_rule = harvest.reap_custom_rules[jit_p]
 
 
 def _reap_settings(trace) -> dict[str, Any]:
@@ -76,7 +87,7 @@ def _sow_modes(trace, jaxpr, *args) -> dict[str, Any]:
 
 def _reap_scan_rule(trace, *vals, jaxpr, num_consts, num_carry, length, reverse, **params):
   consts, carry, xs = vals[:num_consts], vals[num_consts : num_consts + num_carry], vals[num_consts + num_carry :]
-  with jax_core.set_current_trace(trace.parent_trace):
+  with set_current_trace(trace.parent_trace):
     x_first = [x[0] for x in xs]
   metadata = _sow_modes(trace, jaxpr, *consts, *carry, *x_first)
   if any(meta["mode"] != "append" for meta in metadata.values()):
@@ -90,7 +101,7 @@ def _reap_scan_rule(trace, *vals, jaxpr, num_consts, num_carry, length, reverse,
     out, reaps = body(*consts, *carry, *x)
     return out[:num_carry], (out[num_carry:], reaps)
 
-  with jax_core.set_current_trace(trace.parent_trace):
+  with set_current_trace(trace.parent_trace):
     carry_out, (ys, reaps) = lax.scan(
         step, list(carry), list(xs), length=length, reverse=reverse,
         unroll=params["unroll"])
@@ -120,7 +131,7 @@ def _reap_cond_rule(trace, index, *ops, branches, **params):
 
     return wrapped
 
-  with jax_core.set_current_trace(trace.parent_trace):
+  with set_current_trace(trace.parent_trace):
     out, reaps = lax.switch(index, [all_records(b) for b in branches], *ops)
   _resow(trace, reaps)
   return out
@@ -133,7 +144,7 @@ def _reap_pjit_rule(trace, *invals, jaxpr, in_shardings, out_shardings, **params
   body = harvest.call_and_reap(jaxpr_as_fun(jaxpr), **_reap_settings(trace))
   unspecified = lambda shardings: [None if isinstance(s, UnspecifiedValue) else s
                                    for s in shardings]
-  with jax_core.set_current_trace(trace.parent_trace):
+  with set_current_trace(trace.parent_trace):
     out, reaps = jax.jit(
         body,
         in_shardings=unspecified(in_shardings),
@@ -150,7 +161,7 @@ _OPAQUE = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custo
 def _may_sow(jaxpr) -> bool:
   """Whether reaping `jaxpr` could collect anything (conservatively)."""
   return any(eqn.primitive is harvest.sow_p or eqn.primitive.name in _OPAQUE
-             for eqn in jaxpr.eqns) or any(map(_may_sow, jax_core.subjaxprs(jaxpr)))
+             for eqn in jaxpr.eqns) or any(map(_may_sow, subjaxprs(jaxpr)))
 
 
 def _unless_sow_free(rule, primitive):
@@ -162,18 +173,19 @@ def _unless_sow_free(rule, primitive):
   """
 
   def wrapped(trace, *vals, **params):
-    if any(map(_may_sow, jax_core.jaxprs_in_params(params))):
+    if any(map(_may_sow, jaxprs_in_params(params))):
       return rule(trace, *vals, **params)
-    return primitive.bind_with_trace(trace.parent_trace, vals, params)
+    with set_current_trace(trace.parent_trace):
+      return primitive.bind(*vals, **params)
 
   return wrapped
 
 
 for _primitive, _rule in (
-    (lax.scan_p, _reap_scan_rule),
-    (lax.cond_p, _reap_cond_rule),
-    (pjit.pjit_p, _reap_pjit_rule),
-    (lax.while_p, harvest.reap_custom_rules[lax.while_p]),
-    (ad_checkpoint.remat_p, harvest.reap_custom_rules[ad_checkpoint.remat_p]),
+    (scan_p, _reap_scan_rule),
+    (cond_p, _reap_cond_rule),
+    (jit_p, _reap_pjit_rule),
+    (while_p, harvest.reap_custom_rules[while_p]),
+    (remat_p, harvest.reap_custom_rules[remat_p]),
 ):
   harvest.reap_custom_rules[_primitive] = _unless_sow_free(_rule, _primitive)

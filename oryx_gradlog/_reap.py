@@ -45,10 +45,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
-from oryx.core.interpreters import harvest
 
-from oryx_gradlog import _sites
+from oryx_gradlog import _flax_nnx, _sites
+from oryx_gradlog._internals import harvest, take_current_trace
 from oryx_gradlog._record import VJPRecord
 from oryx_gradlog._sites import DEFAULT_TAG
 
@@ -115,9 +114,12 @@ def _reaper(f, *, tag, api):
   @functools.wraps(f)
   def wrapped(*args, **kwargs):
     collector = _Collector(harvest.HarvestSettings(tag, frozenset(), None, False), {})
+    arguments = _flax_nnx.Arguments(args, kwargs)
     try:
-      with harvest.harvest_trace(collector):
+      with _sites.reaping(tag), harvest.harvest_trace(collector):
+        args, kwargs = arguments.inside()
         out = f(*args, **kwargs)
+      out = arguments.outside(out)
     except Exception as error:
       _close_suspended_transformations(error)
       if isinstance(error, ValueError):
@@ -226,7 +228,7 @@ def _close_suspended_transformations(error):
       suspended.append((_depth(frame), gen))
   # Each generator restores the trace that was current when it started, which is
   # stale by now: close them innermost first, then put back the current trace.
-  with jax_core.take_current_trace():
+  with take_current_trace():
     for _, gen in sorted(suspended, key=lambda item: -item[0]):
       gen.close()
 

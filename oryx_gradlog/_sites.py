@@ -29,23 +29,28 @@ Sharp edges:
     records read `(batch, ...)`, also for a cotangent that does not vary across the
     batch (it is broadcast, as the site's other leaves are).
   * Inside `shard_map`, reap inside the per-shard function and return the records
-    through `out_specs`; a reap outside the `shard_map` cannot see into it, and
-    (with the default `check_rep=True`) a site there is an error that says so.
+    through `out_specs`. A reap outside the `shard_map` cannot see into it: a site
+    there is an error that says so, while that reap is traced (on JAX < 0.7 only
+    with the default `check_rep=True`). With no reap of its tag active, a site in
+    a `shard_map` body records nothing, as anywhere else. A record of a replicated
+    input of the body (a weight with `P()`) is the cotangent JAX's backward pass
+    forms there: this shard's part before JAX 0.7, the sum over shards with
+    varying-manual-axes types (JAX 0.7 and newer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import shard_map
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
-from oryx.core import sow
-from oryx.core.interpreters.harvest import sow_p
+
+from oryx_gradlog import _internals
+from oryx_gradlog._internals import NOT_MAPPED, Primitive, ad, batching, mlir, sow
 
 DEFAULT_TAG = "vjp"
 
@@ -105,17 +110,17 @@ def _batch_first_rule(primitive: Primitive, n_residuals: int) -> None:
 
   def rule(args, dims, **params):
     size = None
-    if n_residuals and dims[0] is not batching.not_mapped:
+    if n_residuals and dims[0] is not NOT_MAPPED:
       size = args[0].shape[dims[0]]
     moved = []
     for x, d in zip(args, dims):
-      if d is not batching.not_mapped:
-        x = batching.moveaxis(x, d, 0)
+      if d is not NOT_MAPPED:
+        x = jnp.moveaxis(x, d, 0)
       elif size is not None:
-        x = batching.broadcast(x, size, 0)
+        x = jnp.broadcast_to(x, (size, *jnp.shape(x)))
       moved.append(x)
     out_dims = [
-        batching.not_mapped if size is None and d is batching.not_mapped else 0
+        NOT_MAPPED if size is None and d is NOT_MAPPED else 0
         for d in dims[n_residuals:]
     ]
     return primitive.bind(*moved, **params), out_dims
@@ -160,34 +165,49 @@ ad.primitive_jvps[after_p] = lambda primals, tangents: (
 ad.primitive_transposes[after_p] = lambda cts, *args: [None, *cts]
 
 
-def _shard_map_rules(primitive: Primitive, n_residuals: int) -> None:
-  """Replication rules for `shard_map(check_rep=True)`: outputs are replicated as
-  the operands they are identities of."""
-  check = lambda mesh, *in_rep, **_: list(in_rep[n_residuals:])
-  shard_map.register_check(primitive)(check)
-  shard_map.register_norewrite(primitive)
-
-
 for _primitive, _n_residuals in ((site_p, 0), (cotangent_p, 1), (batch_first_p, 1), (after_p, 1)):
-  _shard_map_rules(_primitive, _n_residuals)
+  _internals.register_shard_map_identity(_primitive, _n_residuals)
 
-_oryx_sow_check = shard_map._check_rules[sow_p]  # pylint: disable=protected-access
+# The reaps being traced, innermost last, as (tag, mesh axes manual at the reap):
+# a site traced inside a `shard_map` body over axes that its reap is not manual
+# over cannot be reaped (see "Sharp edges").
+_reaps = threading.local()
 
 
-def _sow_check(mesh, *in_rep, name, **params):
-  """A record-site sow left in a `shard_map` body means the reap is outside it."""
-  site = parse_sow_name(name)
-  if site is not None:
+@contextlib.contextmanager
+def reaping(tag: str):
+  """Marks a reap of `tag` as being traced, for the `shard_map` check."""
+  stack = _reaps.__dict__.setdefault("stack", [])
+  stack.append((tag, _internals.current_manual_axes()))
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def _check_reap_not_outside_shard_map(name: str, tag: Any, manual_axes: frozenset) -> None:
+  """Raises if the innermost reap of `tag` is outside the `shard_map` body that
+  makes record `name`: Oryx cannot reap through a `shard_map`."""
+  outer = [axes for t, axes in getattr(_reaps, "stack", ()) if t == tag]
+  if outer and not manual_axes <= outer[-1]:
     raise ValueError(
-        f"record {site[0]!r} is made inside a shard_map body by a reap outside it, "
+        f"record {name!r} is made inside a shard_map body by a reap outside it, "
         "which Oryx cannot reap through. Reap inside the per-shard function instead, "
         "e.g. `grads, records = gl.call_and_reap(jax.grad(local_loss))(...)`, and "
         "return the records through out_specs (P('data') for per-example records)."
     )
-  return _oryx_sow_check(mesh, *in_rep, name=name, **params)
 
 
-shard_map._check_rules[sow_p] = _sow_check  # pylint: disable=protected-access
+def _is_site_sow_in_shard_map(mesh, name, tag) -> bool:
+  site = parse_sow_name(name)
+  if site is not None:
+    _check_reap_not_outside_shard_map(site[0], tag, frozenset(mesh.axis_names))
+  return site is not None
+
+
+# JAX < 0.7 checks a `shard_map` body's replication with per-primitive rules, and
+# has no manual axes to look at in `_site_jvp`: check the sows there instead.
+_internals.route_shard_map_sows(_is_site_sow_in_shard_map)
 
 
 def _shape_witness(x):
@@ -196,6 +216,7 @@ def _shape_witness(x):
 
 
 def _site_jvp(primals, tangents, *, name, tag, component, treedef, mask, full):
+  _check_reap_not_outside_shard_map(name, tag, _internals.current_manual_axes())
   uid = next(_uids)
   masked = [p for p, m in zip(primals, mask) if m]
   # Zero-size, and batched under a vmap exactly when some leaf of the site is.

@@ -69,3 +69,17 @@ def test_logging_workloads_run_and_check_their_values(benchmarks, module):
   sizes, settings = _tiny(benchmarks)
   result = benchmarks(module).run(settings, sizes)  # Each checks its values first.
   assert result.comparisons and all(c.value > 0 for c in result.comparisons)
+
+
+def test_results_of_two_jax_versions_are_put_side_by_side(benchmarks, tmp_path):
+  run = benchmarks("run")
+  for version, value in (("0.10.2", 1.2), ("0.5.0", 1.1)):
+    (tmp_path / f"cpu-jax-{version}.json").write_text(__import__("json").dumps({
+        "file": f"cpu-jax-{version}.md", "machine": {"date": "d", "versions": version},
+        "comparisons": [{"workload": 4, "what": "summaries", "baseline": "plain grad",
+                         "value": value, "low": 1.0, "high": 1.3, "target": "<= 1.05",
+                         "status": "MISSED"}]}))
+  paths = sorted(tmp_path.glob("*.json"), key=run._run_order)
+  assert [p.stem for p in paths] == ["cpu-jax-0.5.0", "cpu-jax-0.10.2"]
+  table = run.side_by_side(paths)
+  assert "| 4 | summaries | plain grad | <= 1.05 | 1.100x MISSED | 1.200x MISSED |" in table

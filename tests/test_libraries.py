@@ -11,6 +11,7 @@ Linen's lifted transforms (`nn.scan`, `nn.remat`, `nn.vmap`, `nn.jit`), NNX's `n
 and repeated blocks stack their records per iteration, in forward order.
 """
 
+import inspect
 import itertools
 
 import jax
@@ -346,11 +347,15 @@ class NNXDense(nnx.Module):
     return gl.record_vjp(_affine, name=self.name)(x, linear.kernel.value, linear.bias.value)
 
 
+# Flax NNX 0.12 holds a list of modules in an `nnx.List`; older NNX in a list.
+_NNXList = getattr(nnx, "List", list)
+
+
 class NNXMLP(nnx.Module):
 
   def __init__(self, sizes, *, rngs):
-    self.layers = [NNXDense(din, dout, name=f"layer{i}", rngs=rngs)
-                   for i, (din, dout) in enumerate(itertools.pairwise(sizes))]
+    self.layers = _NNXList([NNXDense(din, dout, name=f"layer{i}", rngs=rngs)
+                            for i, (din, dout) in enumerate(itertools.pairwise(sizes))])
 
   def __call__(self, x):
     for i, layer in enumerate(self.layers):
@@ -386,14 +391,18 @@ def _nnx_layers(layers):
 
 
 def _nnx_train_and_check(model, expected_of, layers_of, x, t):
-  optimizer, counter = nnx.Optimizer(model, optax.adam(LR)), _Counter()
+  optimizer, counter = nnx.Optimizer(model, optax.adam(LR), wrt=nnx.Param), _Counter()
   loss = lambda model, x, t: _mse(model(x), t)
 
   @nnx.jit
   @counter
   def nnx_step(model, optimizer, x, t):
     grads, records = gl.call_and_reap(nnx.grad(loss))(model, x, t)
-    optimizer.update(grads)
+    # Flax NNX 0.11 added the model to `Optimizer.update`.
+    if "model" in inspect.signature(optimizer.update).parameters:
+      optimizer.update(model, grads)
+    else:
+      optimizer.update(grads)
     return records
 
   def step(state, x, t):
@@ -431,6 +440,29 @@ def test_nnx_scan_of_remat_stacks_blocks_in_forward_order():
   _nnx_train_and_check(
       NNXStack(SIZES[0], SIZES[-1], rngs=nnx.Rngs(5)),
       lambda layers, x, t: _stacked_records(_reference(layers, x, t)), layers_of, x, t)
+
+
+def test_nnx_state_changed_inside_a_reap_reaches_the_callers_module():
+  class Net(nnx.Module):
+
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(3, 4, rngs=rngs)
+      self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+      return gl.tap(self.norm(self.linear(x)), name="h")
+
+  loss = lambda model, x: jnp.sum(model(x) ** 2)
+  x = jax.random.normal(jax.random.key(0), (8, 3))
+  reaped, plain = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  h = Net(nnx.Rngs(0))(x)  # Training mode: batch statistics, as in the steps below.
+  grads, records = nnx.jit(lambda m, x: gl.call_and_reap(nnx.grad(loss))(m, x))(reaped, x)
+  expected = nnx.jit(nnx.grad(loss))(plain, x)
+  assert_trees_close(grads, expected, rtol=1e-5, atol=1e-6)
+  assert_trees_close(records["h"], 2 * h, rtol=1e-5, atol=1e-6)  # dL/dh of sum(h**2).
+  # The running statistics the forward pass updated reach the caller's module.
+  assert_trees_close(nnx.state(reaped, nnx.BatchStat), nnx.state(plain, nnx.BatchStat))
+  assert not np.allclose(nnx.state(reaped, nnx.BatchStat)["norm"]["mean"].value, 0)
 
 
 # Equinox.

@@ -65,16 +65,18 @@ def _run_with_oryx_rules(code):
       from oryx.core import reap, sow
       from oryx.core.interpreters import harvest
       from oryx_gradlog import _oryx_rules
-      harvest.reap_custom_rules[lax.scan_p] = _oryx_rules._oryx_scan_rule
-      harvest.reap_custom_rules[lax.cond_p] = _oryx_rules._oryx_cond_rule
+      from oryx_gradlog._internals import cond_p, scan_p
+      harvest.reap_custom_rules[scan_p] = _oryx_rules._oryx_scan_rule
+      harvest.reap_custom_rules[cond_p] = _oryx_rules._oryx_cond_rule
   """)
   return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
                         capture_output=True, text=True, timeout=120, check=False)
 
 
-def test_oryx_scan_rule_still_breaks_with_argnums():
-  # Oryx's own scan rule misaligns `linear`: "safe_zip() argument 2 is shorter ...".
-  # When this stops failing, an Oryx release fixed it and _oryx_rules' scan rule can go.
+def test_oryx_scan_rule_with_argnums_fails_loudly_or_is_right():
+  # Oryx 0.2.9's scan rule misaligns `linear`: "safe_zip() argument 2 is shorter ...".
+  # Oryx main @aa33090 and @9b9ef13 give the right records. Either way never a wrong
+  # record; when every supported Oryx passes, _oryx_rules' scan rule can go.
   result = _run_with_oryx_rules("""
       @jax.custom_vjp
       def mvm(x, w):
@@ -84,10 +86,11 @@ def test_oryx_scan_rule_still_breaks_with_argnums():
                    name="mvm", mode="append")
       mvm.defvjp(lambda x, w: (mvm(x, w), (x, w)), bwd)
       loss = lambda ws, x: jnp.sum(lax.scan(lambda c, w: (mvm(c, w), None), x, ws)[0])
-      reap(jax.grad(loss, argnums=1), tag="vjp")(jnp.ones((3, 2, 2)), jnp.ones(2))
+      records = reap(jax.grad(loss, argnums=1), tag="vjp")(jnp.ones((3, 2, 2)), jnp.ones(2))
+      assert records["mvm"][1].shape == (3, 2, 2), records
   """)
-  assert result.returncode != 0
-  assert "safe_zip() argument 2 is shorter than argument 1" in result.stderr
+  assert result.returncode == 0 or (
+      "safe_zip() argument 2 is shorter than argument 1" in result.stderr), result.stderr
 
 
 def test_oryx_cond_rule_still_rejects_sows_in_one_branch():

@@ -5,13 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_trees_close
-from jax.experimental.shard_map import shard_map
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import oryx_gradlog as gl
 
 BATCH, WIDTH = 16, 4
+
+if hasattr(jax, "shard_map"):  # JAX >= 0.6.
+  shard_map = jax.shard_map
+else:
+  from jax.experimental.shard_map import shard_map
 
 
 @pytest.fixture(scope="module")
@@ -88,30 +92,50 @@ def test_data_parallel_training_matches_one_device(mesh):
 
 def test_shard_map_with_the_reap_inside_the_per_shard_function(mesh):
   w, x = _data()
+  zeros = {"x": jnp.zeros_like(x), "w": jnp.zeros_like(w), "h": jnp.zeros((BATCH, WIDTH))}
+  local = lambda w, x: loss(w, x) * x.shape[0] / BATCH  # This shard's part of the mean.
 
-  def per_shard(w, x):
-    # Each shard differentiates its part of the mean; psum gives the global gradient.
-    local = lambda w, x: loss(w, x) * x.shape[0] / BATCH
+  def per_shard(w, x, d):
     grads, records = gl.call_and_reap(jax.grad(local))(w, x)
-    return jax.lax.psum(grads, "data"), records
+    # Plain JAX in the same shard_map: its gradient, and the zero-perturbation
+    # cotangents. A replicated input's cotangent is whatever this JAX's shard_map
+    # makes it (per shard before JAX 0.7, summed over shards with varying types).
+    def perturbed(d):
+      h = jnp.tanh((x + d["x"]) @ (w + d["w"])) + d["h"]
+      return jnp.mean(jnp.sin(h) ** 2) * x.shape[0] / BATCH
+    plain = jax.grad(local)(w, x), jax.grad(perturbed)(d)
+    return jax.lax.psum((grads, plain[0]), "data"), records, plain[1]
 
   specs = {"dense": (P("data"), P("data")), "h": P("data")}
-  step = jax.jit(shard_map(per_shard, mesh, in_specs=(P(), P("data")), out_specs=(P(), specs)))
-  grads, records = step(w, x)
-  expected_grads, expected = _single_device_reference(w, x)
-  assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
+  d_specs = {"x": P("data"), "w": P("data"), "h": P("data")}
+  step = jax.jit(shard_map(per_shard, mesh=mesh, in_specs=(P(), P("data"), d_specs | {"w": P()}),
+                           out_specs=(P(), specs, d_specs)))
+  (grads, plain_grads), records, cts = step(w, x, zeros)
+  assert_trees_close(grads, plain_grads, rtol=1e-5, atol=1e-6)
+  assert_trees_close(records, {"dense": (cts["x"], cts["w"]), "h": cts["h"]},
+                     rtol=1e-5, atol=1e-6)
+  # Per-example records match one device holding the whole batch.
+  _, expected = _single_device_reference(w, x)
   assert_trees_close(records["h"], expected["h"], rtol=1e-5, atol=1e-6)
   assert_trees_close(records["dense"][0], expected["dense"][0], rtol=1e-5, atol=1e-6)
-  # The weight's cotangent is per shard (its psum is the gradient's share): stacked by shard.
-  per_shard_w = records["dense"][1].reshape(8, WIDTH, WIDTH)
-  assert_trees_close(per_shard_w.sum(0), expected["dense"][1], rtol=1e-5, atol=1e-5)
   assert records["h"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
 
 
-def test_shard_map_with_the_reap_outside_is_a_clear_error(mesh):
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_shard_map_with_the_reap_outside_is_a_clear_error(mesh, jit):
   w, x = _data()
-  sharded_loss = shard_map(lambda w, x: jax.lax.psum(loss(w, x), "data"), mesh,
+  sharded_loss = shard_map(lambda w, x: jax.lax.psum(loss(w, x), "data"), mesh=mesh,
                            in_specs=(P(), P("data")), out_specs=P())
+  reaped = gl.call_and_reap(jax.grad(sharded_loss))
   with pytest.raises(ValueError, match=r"call_and_reap: record '(dense|h)' is made inside a "
                      r"shard_map body by a reap outside it.*Reap inside the per-shard function"):
-    jax.jit(gl.call_and_reap(jax.grad(sharded_loss)))(w, x)
+    (jax.jit(reaped) if jit else reaped)(w, x)
+
+
+def test_shard_map_with_record_sites_and_no_reap_is_plain_jax(mesh):
+  w, x = _data()
+  body = lambda w, x: jax.lax.psum(loss(w, x) * x.shape[0] / BATCH, "data")
+  sharded_loss = shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  grads = jax.jit(jax.grad(sharded_loss))(w, x)
+  expected_grads, _ = _single_device_reference(w, x)
+  assert_trees_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
