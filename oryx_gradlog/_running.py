@@ -134,7 +134,7 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsT
         min=jnp.where(finite, jnp.minimum(stats.min, value), stats.min),
         max=jnp.where(finite, jnp.maximum(stats.max, value), stats.max),
         nonfinite=stats.nonfinite + ~finite,
-        histogram=stats.histogram + magnitude_histogram(value.ravel(), finite.ravel(), bins),
+        histogram=stats.histogram + magnitude_histogram(x.ravel(), bins),
         decay=decay,
     )
 
