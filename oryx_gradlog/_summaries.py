@@ -108,8 +108,9 @@ def _power_of_two_steps(edges: np.ndarray) -> tuple[int, int] | None:
   return int(exponents[0]), int(steps[0]) if len(steps) else 1
 
 
-def _bin_index(x: jax.Array, bins) -> jax.Array:
-  """Returns each entry's magnitude bin (0 to len(bins)); `_IGNORED` where non-finite.
+def _bin_index(x: jax.Array, bins, masked: bool = True) -> jax.Array:
+  """Returns each entry's magnitude bin (0 to len(bins)); if `masked`, `_IGNORED` where
+  non-finite (else a non-finite entry's bin is meaningless).
 
   Power-of-two edges (the default) read the bin off the float32 exponent, with
   integer arithmetic only; other edges count the edges at or below |x|.
@@ -123,17 +124,30 @@ def _bin_index(x: jax.Array, bins) -> jax.Array:
     index = jnp.clip((exponent - first) // step + 1, 0, len(edges))
   else:
     index = sum((magnitude >= edge).astype(jnp.int32) for edge in edges)
-  return jnp.where(jnp.isfinite(x), index, _IGNORED)
+  return jnp.where(jnp.isfinite(x), index, _IGNORED) if masked else index
+
+
+def _chunk_length(n: int) -> int:
+  """Returns the length of the chunks the first reduction pass works on.
+
+  The largest divisor of `n` up to 255, so that a bin's count in a chunk fits in 8
+  bits and four bins share an int32 counter; the whole axis when that divisor is
+  small (a prime length), with 16- or 32-bit counters.
+  """
+  length = max(d for d in range(1, min(n, 255) + 1) if n % d == 0) if n else 1
+  return length if length >= 64 or n <= 255 else n
 
 
 def _bin_counters(index: jax.Array, bins) -> tuple[list[jax.Array], Any]:
-  """Returns int32 per-entry counters whose sums over the last axis give the histogram.
+  """Returns int32 per-entry counters whose sums over the last axis pack the histogram.
 
-  Two bins share an int32 (16 bits each) when the last axis is shorter than 2**16,
-  halving the accumulators of the reduction; the second result unpacks the sums.
+  Bins share an int32 counter, 8 bits each when the last axis is shorter than 256
+  (16 bits when shorter than 2**16), which cuts the accumulators of the reduction
+  to a quarter; the second result unpacks (..., counters) sums into the counts.
   """
   count = len(bins) + 1
-  width = 16 if index.shape[-1] < 1 << 16 else 32
+  length = index.shape[-1]
+  width = 8 if length < 1 << 8 else 16 if length < 1 << 16 else 32
   per = 32 // width
   counters = [jnp.where(index // per == group, jnp.left_shift(1, index % per * width), 0)
               for group in range(-(-count // per))]
@@ -165,64 +179,62 @@ def _reduce_last(operands: list[tuple[jax.Array, Any, Any]]) -> list[jax.Array]:
 def summarize_leaf(x: jax.Array, *, keep_axes: int = 0, bins=DEFAULT_BINS) -> Summary:
   """Returns the `Summary` of one array, reducing all but its first `keep_axes` axes.
 
-  Two passes over the entries: a matrix-vector product sums them (a non-finite sum
-  means a non-finite entry somewhere), then one variadic reduction computes the sum
-  of squares, min, max and the histogram counters, without masks when every entry
-  is finite (`lax.cond`), with them otherwise. The variance is `E[x^2] - mean^2`
-  when `mean^2 <= E[x^2] / 2` (no cancellation to speak of), else a second,
-  centred pass.
+  One pass, one variadic reduction without masks, computes the sum, the sum of
+  squares, min, max and the histogram counters; the variance is `E[x^2] - mean^2`.
+  That is right when every entry is finite (the sum of squares is then finite) and
+  `mean^2 <= E[x^2] / 2` (so the subtraction cancels at most one bit). Otherwise a
+  `lax.cond` recomputes the summary with masks and a centred second pass.
   """
   x = jnp.asarray(x)
   if x.ndim < keep_axes:
     raise ValueError(f"has shape {x.shape}, fewer than keep_axes={keep_axes} axes")
-  x = x.astype(jnp.float32)
-  entries = x.reshape(x.shape[:keep_axes] + (-1,))
-  # A matrix-vector product over the record's own last axis is several times faster
-  # on CPU than a vector dot or a reduction.
-  rows = x.reshape(x.shape[:keep_axes] + (-1, x.shape[-1] if x.ndim > keep_axes else 1))
-  total = jnp.sum(jnp.matmul(rows, jnp.ones(rows.shape[-1:], jnp.float32),
-                             precision=lax.Precision.HIGHEST), -1)
-  return lax.cond(jnp.all(jnp.isfinite(total)), functools.partial(_summarize, bins=bins),
-                  functools.partial(_summarize, bins=bins, masked=True), entries, total)
+  entries = x.reshape(x.shape[:keep_axes] + (-1,)).astype(jnp.float32)
+  summary, mean_square = _summarize(entries, bins)
+  fast = jnp.all(jnp.isfinite(mean_square) & (2 * summary.mean**2 <= mean_square))
+  return lax.cond(fast, lambda: summary, lambda: _summarize(entries, bins, masked=True)[0])
 
 
-def _summarize(entries, total, *, bins, masked=False) -> Summary:
-  finite = jnp.isfinite(entries) if masked else None
+def _summarize(entries, bins, masked=False) -> tuple[Summary, jax.Array]:
+  """Returns the summary over the last axis, and E[x^2]; `masked` skips non-finite entries."""
+  n = entries.shape[-1]
+  chunks = entries.reshape(entries.shape[:-1] + (-1, _chunk_length(n)))
+  finite = jnp.isfinite(chunks) if masked else None
   mask = (lambda v, fill: jnp.where(finite, v, fill)) if masked else (lambda v, fill: v)
-  values = mask(entries, 0.0)
-  counters, unpack = (_bin_counters(_bin_index(entries, bins), bins) if bins is not None
-                      else ([], lambda sums: None))
-  operands = [(values * values, 0.0, jnp.add), (mask(entries, jnp.inf), jnp.inf, jnp.minimum),
-              (mask(entries, -jnp.inf), -jnp.inf, jnp.maximum)]
+  values = mask(chunks, 0.0)
+  counters, unpack = (_bin_counters(_bin_index(chunks, bins, masked), bins)
+                      if bins is not None else ([], lambda sums: None))
+  operands = [(values, 0.0, jnp.add), (values * values, 0.0, jnp.add),
+              (mask(chunks, jnp.inf), jnp.inf, jnp.minimum),
+              (mask(chunks, -jnp.inf), -jnp.inf, jnp.maximum)]
   operands += [(counter, 0, jnp.add) for counter in counters]
   if masked:
-    operands += [(values, 0.0, jnp.add), (finite.astype(jnp.int32), 0, jnp.add)]
-  sumsq, low, high, *sums = _reduce_last(operands)
+    operands.append((finite.astype(jnp.int32), 0, jnp.add))
+  # First pass: per chunk. Then the chunks, a small array.
+  total, sumsq, low, high, *sums = _reduce_last(operands)
+  total, sumsq, low, high = (jnp.sum(total, -1), jnp.sum(sumsq, -1), jnp.min(low, -1),
+                             jnp.max(high, -1))
+  histogram = None if bins is None else jnp.sum(unpack(sums[:len(counters)]), -2)
   if masked:
-    *sums, total, count = sums
+    count = jnp.sum(sums[-1], -1)
   else:
-    count = jnp.full(total.shape, entries.shape[-1], jnp.int32)
+    count = jnp.full(total.shape, n, jnp.int32)
   divisor = jnp.maximum(count, 1).astype(jnp.float32)
-  mean = total / divisor
-
-  def centred():
-    deviations = mask(entries - mean[..., None], 0.0)
-    return jnp.sum(deviations * deviations, -1) / divisor
-
+  mean, mean_square = total / divisor, sumsq / divisor
   if masked:
-    variance = centred()
-  else:  # E[x^2] - mean^2 loses at most one bit when mean^2 <= E[x^2] / 2.
-    mean_square = sumsq / divisor
-    variance = lax.cond(jnp.all(2 * mean * mean <= mean_square),
-                        lambda: jnp.maximum(mean_square - mean * mean, 0.0), centred)
-  return Summary(norm=jnp.sqrt(sumsq), mean=mean, variance=variance, min=low, max=high,
-                 nonfinite=entries.shape[-1] - count, histogram=unpack(sums))
+    deviations = mask(chunks - mean[..., None, None], 0.0)
+    variance = jnp.sum(deviations * deviations, (-2, -1)) / divisor
+  else:
+    variance = jnp.maximum(mean_square - mean * mean, 0.0)
+  summary = Summary(norm=jnp.sqrt(sumsq), mean=mean, variance=variance, min=low, max=high,
+                    nonfinite=n - count, histogram=histogram)
+  return summary, mean_square
 
 
 def magnitude_histogram(x: jax.Array, bins=DEFAULT_BINS) -> jax.Array:
   """Counts |x| of the finite entries of `x` in the magnitude bins, over the last axis."""
+  x = x.reshape(x.shape[:-1] + (-1, _chunk_length(x.shape[-1])))
   counters, unpack = _bin_counters(_bin_index(x, bins), bins)
-  return unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters]))
+  return jnp.sum(unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters])), -2)
 
 
 def _matches(name: str, patterns: str | Iterable[str]) -> bool:

@@ -75,9 +75,9 @@ def test_histogram_is_exact_on_edges_zeros_subnormals_and_extremes():
                                   _numpy_histogram(x, float32_edges))
 
 
-def test_histogram_counts_past_16_bits():
-  # A row of 2**16 or more entries, all in one bin, with and without a NaN.
-  for n in (65535, 70000):
+def test_histogram_counts_past_8_and_16_bits():
+  # Rows of every chunking (prime lengths too), all in one bin, with and without a NaN.
+  for n in (255, 257, 4099, 65535, 65537, 70000):
     x = np.ones(n, np.float32)
     for bad in (False, True):
       x[7] = np.nan if bad else 1.0
