@@ -210,14 +210,14 @@ def _summarize(entries, bins, masked=False) -> tuple[Summary, jax.Array]:
   if masked:
     operands.append((finite.astype(jnp.int32), 0, jnp.add))
   # First pass: per chunk. Then the chunks, a small array.
-  total, sumsq, low, high, *sums = _reduce_last(operands)
-  total, sumsq, low, high = (jnp.sum(total, -1), jnp.sum(sumsq, -1), jnp.min(low, -1),
-                             jnp.max(high, -1))
-  histogram = None if bins is None else jnp.sum(unpack(sums[:len(counters)]), -2)
-  if masked:
-    count = jnp.sum(sums[-1], -1)
-  else:
-    count = jnp.full(total.shape, n, jnp.int32)
+  partials = _reduce_last(operands)
+  counts = partials[4:4 + len(counters)]
+  histogram = None if bins is None else jnp.sum(unpack(counts), -2)
+  # The same reductions over the chunks' results, again as one operation.
+  stats = [(partial, init, combine) for partial, (_, init, combine) in zip(partials, operands)
+           if not any(partial is c for c in counts)]
+  total, sumsq, low, high, *count = _reduce_last(stats)
+  count = count[0] if masked else jnp.full(total.shape, n, jnp.int32)
   divisor = jnp.maximum(count, 1).astype(jnp.float32)
   mean, mean_square = total / divisor, sumsq / divisor
   if masked:
