@@ -1,5 +1,7 @@
 """Summaries and running statistics against numpy on the full history."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,6 +64,15 @@ def test_every_path_matches_numpy(keep_axes, bad_values, bins):
     x = np.where(np.isfinite(x), x, 1.5).astype(np.float32)
   step = jax.jit(lambda x: gl.summarize({"r": x}, keep_axes=keep_axes, bins=bins)["r"].summary)
   _assert_summary_matches_numpy(step(x), x, keep_axes, bins)
+
+
+def test_statistics_only_without_histogram():
+  x = _records_with_bad_values(seed=4, shape=(3, 5, 40)).reshape(3, 200)
+  summary = jax.jit(lambda x: gl.summarize({"r": x}, keep_axes=1, bins=None))(x)["r"].summary
+  assert summary.histogram is None
+  full = jax.jit(lambda x: gl.summarize({"r": x}, keep_axes=1, bins=BINS))(x)["r"].summary
+  _assert_summary_matches_numpy(dataclasses.replace(summary, histogram=full.histogram), x, 1,
+                                BINS)
 
 
 def test_histogram_is_exact_on_edges_zeros_subnormals_and_extremes():
