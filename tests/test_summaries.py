@@ -140,8 +140,11 @@ def test_per_example_norms_from_a_vmapped_reap():
                              rtol=1e-5)
 
 
-def test_running_statistics_match_numpy_over_the_history():
+@pytest.mark.parametrize("finite_steps", [(), (0, 1, 2, 5, 8, 9, 10)])
+def test_running_statistics_match_numpy_over_the_history(finite_steps):
+  # Steps with non-finite entries take the masked update, the others the plain one.
   history = np.stack([_records_with_bad_values(seed) for seed in range(12)])
+  history[list(finite_steps)] = np.nan_to_num(history[list(finite_steps)], posinf=3.0)
   decay = 0.9
   stats = gl.running_statistics(decay=decay, bins=BINS)
 
