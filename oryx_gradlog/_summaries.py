@@ -214,7 +214,9 @@ def summarize_leaf(x: jax.Array, *, keep_axes: int = 0, bins=DEFAULT_BINS) -> Su
 def _summarize(entries, bins, masked=False) -> tuple[Summary, jax.Array]:
   """Returns the summary over the last axis, and E[x^2]; `masked` skips non-finite entries."""
   n = entries.shape[-1]
-  chunks = entries.reshape(entries.shape[:-1] + (-1, _chunk_length(n)))
+  # Chunks keep the packed bin counts within 8 bits; without a histogram, one chunk.
+  length = (n or 1) if bins is None else _chunk_length(n)
+  chunks = entries.reshape(entries.shape[:-1] + (-1, length))
   finite = jnp.isfinite(chunks) if masked else None
   mask = (lambda v, fill: jnp.where(finite, v, fill)) if masked else (lambda v, fill: v)
   values = mask(chunks, 0.0)
