@@ -30,7 +30,8 @@ Sharp edges:
     |x| >= the last edge. Edges are compared in float32 (rounded to float32 first).
   * The default edges are the 25 powers of 4 from 2**-34 to 2**14 (26 bins; they
     were 29 log10-spaced edges from 1e-10 to 1e4 before). `bins=None` leaves the
-    histogram out (`Summary.histogram` is None): the cheapest summary.
+    histogram out (`Summary.histogram` is None): the cheapest summary, which
+    `report` and `export_tensorboard` do not show (they need the histogram).
   * Under `vmap` of `summarize` the `lax.cond` becomes a select, so both the
     unmasked and the masked summary are computed.
 """
