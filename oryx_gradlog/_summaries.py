@@ -199,9 +199,10 @@ def summarize_leaf(x: jax.Array, *, keep_axes: int = 0, bins=DEFAULT_BINS) -> Su
 
   One pass, one variadic reduction without masks, computes the sum, the sum of
   squares, min, max and the histogram counters; the variance is `E[x^2] - mean^2`.
-  That is right when every entry is finite (the sum of squares is then finite) and
-  `mean^2 <= E[x^2] / 2` (so the subtraction cancels at most one bit). Otherwise a
-  `lax.cond` recomputes the summary with masks and a centred second pass.
+  That is right when every entry is finite (checked as a finite sum of squares: a
+  NaN or inf entry makes it NaN or inf) and `mean^2 <= E[x^2] / 2` (so the
+  subtraction cancels at most one bit). Otherwise a `lax.cond` recomputes the
+  summary with masks and a centred second pass.
   """
   x = jnp.asarray(x)
   if x.ndim < keep_axes:
@@ -231,12 +232,12 @@ def _summarize(entries, bins, masked=False) -> tuple[Summary, jax.Array]:
     operands.append((finite.astype(jnp.int32), 0, jnp.add))
   # First pass: per chunk. Then the chunks, a small array.
   partials = _reduce_last(operands)
-  counts = partials[4:4 + len(counters)]
-  histogram = None if bins is None else jnp.sum(unpack(counts), -2)
+  bin_sums = slice(4, 4 + len(counters))
+  histogram = None if bins is None else jnp.sum(unpack(partials[bin_sums]), -2)
   # The same reductions over the chunks' results, again as one operation.
-  stats = [(partial, init, combine) for partial, (_, init, combine) in zip(partials, operands)
-           if not any(partial is c for c in counts)]
-  total, sumsq, low, high, *count = _reduce_last(stats)
+  del partials[bin_sums], operands[bin_sums]
+  total, sumsq, low, high, *count = _reduce_last(
+      [(partial, init, combine) for partial, (_, init, combine) in zip(partials, operands)])
   count = count[0] if masked else jnp.full(total.shape, n, jnp.int32)
   divisor = jnp.maximum(count, 1).astype(jnp.float32)
   mean, mean_square = total / divisor, sumsq / divisor
