@@ -20,6 +20,7 @@ import _mlp
 import oryx_gradlog as gl
 
 NUMBER = 5
+TARGET = h.Target(1.15)
 TITLE = "50-step lax.scan training loop with running statistics vs a plain loop"
 STEPS, LR = 50, 1e-3
 
@@ -48,6 +49,12 @@ def recorded_loop():
   return jax.jit(train)
 
 
+WHY = (
+    " Each step reads the record and the state (mean, m2, ema, min, max) and writes "
+    "the state back, element by element, and counts the record into the histogram in "
+    "one scalar variadic reduction (see workload 4); the plain loop has neither.")
+
+
 def variants(sizes: _mlp.Sizes) -> dict[str, h.Variant]:
   args = _mlp.init(sizes)
   return {
@@ -64,8 +71,10 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
   _mlp.assert_trees_close(params, vs["plain"](), "parameters after the loop")
   assert int(state[_mlp.tap_name(0)].steps) == STEPS
   m = h.measure(vs, settings)
-  comparisons = [h.compare(NUMBER, m, "running", "plain", None, settings,
-                           h.describe_hlo_difference(m["running"], m["plain"]))]
+  comparison = h.compare(NUMBER, m, "running", "plain", TARGET, settings)
+  if comparison.status == "MISSED":
+    comparison.explanation = h.describe_hlo_difference(m["running"], m["plain"]) + WHY
+  comparisons = [comparison]
   notes = [f"Sizes: {sizes}, {STEPS} steps. Checked before timing: both loops reach the "
            "same parameters and the state counted every step."]
   return h.WorkloadResult(NUMBER, TITLE, m, comparisons, notes)

@@ -4,9 +4,14 @@ In the optax style: `running_statistics(...)` returns a `StatisticsTransform` wh
 `init(records)` builds a state pytree and `update(state, records)` folds in one
 step's records. Both are pure, so they run inside a jitted step or a `lax.scan` over
 steps, and the state's size does not grow with the number of steps: per record leaf
-it holds element-wise counts, a Welford mean and sum of squared deviations (stable
-for long runs), an exponential moving average, element-wise min and max, and the
+it holds a Welford mean and sum of squared deviations (stable for long runs), an
+exponential moving average, element-wise min, max and non-finite counts, and the
 magnitude histogram of every entry seen.
+
+Cost: XLA on CPU writes each state array in its own pass, so `update` keeps the
+state small (the finite count is `steps - nonfinite`, not stored) and, when every
+entry of the step is finite (the histogram counted them all), updates without
+masks and leaves `nonfinite` as it is (`lax.cond`).
 
 Sharp edges:
   * Non-finite entries (NaN, inf) are skipped element by element: `count` says how
@@ -24,14 +29,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from oryx_gradlog._summaries import DEFAULT_BINS, magnitude_histogram
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["steps", "count", "mean", "m2", "ema", "min", "max", "nonfinite",
-                 "histogram"],
+    data_fields=["steps", "mean", "m2", "ema", "min", "max", "nonfinite", "histogram"],
     meta_fields=["decay"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +45,6 @@ class RunningStats:
 
   Attributes:
     steps: number of updates.
-    count: per element, the number of finite values seen.
     mean: per element, the running mean (Welford).
     m2: per element, the sum of squared deviations from the mean (Welford).
     ema: per element, the exponential moving average (biased towards 0 early on).
@@ -52,7 +56,6 @@ class RunningStats:
   """
 
   steps: jax.Array
-  count: jax.Array
   mean: jax.Array
   m2: jax.Array
   ema: jax.Array
@@ -61,6 +64,11 @@ class RunningStats:
   nonfinite: jax.Array
   histogram: jax.Array
   decay: float
+
+  @property
+  def count(self) -> jax.Array:
+    """Per element, the number of finite values seen (`steps - nonfinite`)."""
+    return self.steps - self.nonfinite
 
   @property
   def variance(self) -> jax.Array:
@@ -113,30 +121,42 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsT
     x = jnp.asarray(x, jnp.float32)
     zeros = jnp.zeros(x.shape, jnp.float32)
     return RunningStats(
-        steps=jnp.zeros((), jnp.int32), count=jnp.zeros(x.shape, jnp.int32), mean=zeros,
-        m2=zeros, ema=zeros, min=jnp.full(x.shape, jnp.inf), max=jnp.full(x.shape, -jnp.inf),
+        steps=jnp.zeros((), jnp.int32), mean=zeros, m2=zeros, ema=zeros,
+        min=jnp.full(x.shape, jnp.inf), max=jnp.full(x.shape, -jnp.inf),
         nonfinite=jnp.zeros(x.shape, jnp.int32),
         histogram=jnp.zeros((len(bins) + 1,), jnp.int32), decay=decay)
 
   def update_leaf(stats: RunningStats, x) -> RunningStats:
     x = jnp.asarray(x, jnp.float32)
-    finite = jnp.isfinite(x)
-    value = jnp.where(finite, x, 0.0)
-    count = stats.count + finite
-    delta = jnp.where(finite, value - stats.mean, 0.0)
-    mean = stats.mean + delta / jnp.maximum(count, 1)
+    histogram = magnitude_histogram(x.ravel(), bins)  # Of the finite entries only.
+    steps = stats.steps + 1
+    # Each output is its own pass on CPU (no multi-output fusion): written so that
+    # each reads the inputs only, and the masks only when some entry is not finite.
+    return lax.cond(jnp.sum(histogram) == x.size, _update, _masked_update, stats, x, steps,
+                    stats.histogram + histogram)
+
+  def _update(stats, x, steps, histogram):
+    count = (steps - stats.nonfinite).astype(jnp.float32)
+    delta = x - stats.mean
     return RunningStats(
-        steps=stats.steps + 1,
-        count=count,
-        mean=mean,
-        m2=stats.m2 + delta * jnp.where(finite, value - mean, 0.0),
-        ema=jnp.where(finite, decay * stats.ema + (1 - decay) * value, stats.ema),
-        min=jnp.where(finite, jnp.minimum(stats.min, value), stats.min),
-        max=jnp.where(finite, jnp.maximum(stats.max, value), stats.max),
-        nonfinite=stats.nonfinite + ~finite,
-        histogram=stats.histogram + magnitude_histogram(value.ravel(), finite.ravel(), bins),
-        decay=decay,
-    )
+        steps=steps, mean=stats.mean + delta / count,
+        m2=stats.m2 + delta * delta * ((count - 1) / count),
+        ema=decay * stats.ema + (1 - decay) * x, min=jnp.minimum(stats.min, x),
+        max=jnp.maximum(stats.max, x), nonfinite=stats.nonfinite, histogram=histogram,
+        decay=decay)
+
+  def _masked_update(stats, x, steps, histogram):
+    finite = jnp.isfinite(x)
+    nonfinite = stats.nonfinite + ~finite
+    count = jnp.maximum(steps - nonfinite, 1).astype(jnp.float32)
+    delta = jnp.where(finite, x - stats.mean, 0.0)
+    return RunningStats(
+        steps=steps, mean=stats.mean + delta / count,
+        m2=stats.m2 + delta * delta * ((count - 1) / count),
+        ema=jnp.where(finite, decay * stats.ema + (1 - decay) * x, stats.ema),
+        min=jnp.where(finite, jnp.minimum(stats.min, x), stats.min),
+        max=jnp.where(finite, jnp.maximum(stats.max, x), stats.max),
+        nonfinite=nonfinite, histogram=histogram, decay=decay)
 
   def init(records):
     return jax.tree.map(init_leaf, records)

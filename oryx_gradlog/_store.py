@@ -30,6 +30,11 @@ Sharp edges:
     appears at a later step is back-filled with NaN (0 for integers), as is a leaf
     missing from a step.
   * Staged steps are host copies: at most `steps_per_chunk` steps of every leaf.
+  * Step numbers are integers (Python, numpy or 0-d JAX integers) that strictly
+    increase from one `append` to the next, across `resume=True` too; a repeated,
+    decreasing or non-integer step is a `ValueError` at `append`, and the steps
+    before it stay as they were. Gaps are fine (log every 10th step).
+  * `config` is checked to be JSON-serialisable before anything touches the disk.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fnmatch
+import json
+import operator
 import os
 import platform
 import queue
@@ -106,6 +113,12 @@ class RunLog:
     steps_per_chunk: steps written together, as one zarr chunk per leaf (`flush`
       writes a partial chunk at once).
 
+  Raises:
+    TypeError: `config` is not a JSON-serialisable mapping (checked before the
+      folder is made, so a corrected retry starts clean).
+    NotADirectoryError: `run_dir`, or a folder above it, is a file.
+    FileExistsError: `run_dir` already holds a run and `resume` is False.
+
   Example:
     >>> import tempfile, jax.numpy as jnp, oryx_gradlog as gl
     >>> run_dir = tempfile.mkdtemp()
@@ -124,6 +137,8 @@ class RunLog:
     if when_full not in ("block", "drop"):
       raise ValueError(f"RunLog(when_full={when_full!r}): use 'block' or 'drop'.")
     self.run_dir = os.fspath(run_dir)
+    config = _checked_config(config, self.run_dir)
+    _check_folder(self.run_dir)
     self._dims = dict(dims or {})
     path = os.path.join(self.run_dir, STORE_NAME)
     try:
@@ -137,7 +152,7 @@ class RunLog:
       self._truncate_to_committed()
       self._root.attrs.update({
           "committed_steps": self._committed,
-          "config": dict(config or self._root.attrs.get("config", {})),
+          "config": config or self._root.attrs.get("config", {}),
           "versions": _versions(),
           "started": self._root.attrs.get("started", _now()),
           "dropped_steps": int(self._root.attrs.get("dropped_steps", 0)),
@@ -152,6 +167,8 @@ class RunLog:
     self.dropped = int(self._root.attrs["dropped_steps"])
     self._steps_per_chunk = steps_per_chunk
     self._layouts = {name: (array.shape[1:], array.dtype) for name, array in self._root.arrays()}
+    self._last_step = (int(self._root["step"][self._committed - 1])
+                       if self._committed and "step" in self._root else None)
     self._pending: list[dict[str, np.ndarray]] = []
     self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
     self._when_full = when_full
@@ -164,17 +181,48 @@ class RunLog:
   # The training thread's side.
 
   def append(self, step: int, logged: Any) -> None:
-    """Queues one step's pytree of arrays for writing; returns without waiting for it."""
+    """Queues one step's pytree of arrays for writing; returns without waiting for it.
+
+    Args:
+      step: the step number, an integer larger than the last one appended.
+      logged: a pytree of arrays, with the same leaves every step.
+
+    Raises:
+      ValueError: `step` is not an integer, or not after the last step appended;
+        nothing is queued and the log carries on.
+    """
     self._raise_if_failed("append")
     if self._closed:
       raise RuntimeError(f"RunLog({self.run_dir!r}).append: the log is closed.")
+    step = self._next_step(step)
     if self._when_full == "drop":
       try:
-        self._queue.put_nowait((int(step), logged))
+        self._queue.put_nowait((step, logged))
       except queue.Full:
         self.dropped += 1
     else:
-      self._queue.put((int(step), logged))
+      self._queue.put((step, logged))
+
+  def _next_step(self, step: Any) -> int:
+    """Returns `step` as an int; raises unless it is an integer after the last step."""
+    is_bool = isinstance(step, (bool, np.bool_)) or getattr(step, "dtype", None) == bool
+    try:
+      number = None if is_bool else operator.index(step)
+    except TypeError:
+      number = None
+    if number is None:
+      raise ValueError(
+          f"RunLog.append: step must be an integer, got {step!r} of type "
+          f"{type(step).__name__}. Pass the step counter as an int, e.g. "
+          "log.append(int(step), logged) for a whole-valued float.")
+    if self._last_step is not None and number <= self._last_step:
+      raise ValueError(
+          f"RunLog.append: step {number} is not after the last step {self._last_step} "
+          f"of {self.run_dir!r}; steps must increase, or the step axis would hold "
+          "duplicates. Pass a growing step counter (gaps are fine), or log the new run "
+          "to a new run_dir.")
+    self._last_step = number
+    return number
 
   def flush(self) -> int:
     """Writes every step appended so far and waits; returns the committed step count."""
@@ -291,6 +339,41 @@ class RunLog:
       if array.shape and array.shape[0] != self._committed:
         array.resize((self._committed, *array.shape[1:]))
     self._capacity = self._committed
+
+
+def _checked_config(config: Any, run_dir: str) -> dict[str, Any]:
+  """Returns `config` as a dict; raises, naming the bad keys, unless it is JSON."""
+  if config is None:
+    return {}
+  if not isinstance(config, Mapping):
+    raise TypeError(
+        f"RunLog({run_dir!r}, config=...): config must be a mapping, got "
+        f"{type(config).__name__}. Pass a dict, e.g. config={{'lr': 0.1}}.")
+  bad = []
+  for key, value in config.items():
+    try:
+      json.dumps({key: value}, allow_nan=True)
+    except (TypeError, ValueError):
+      bad.append(f"{key!r} ({type(value).__name__})")
+  if bad:
+    raise TypeError(
+        f"RunLog({run_dir!r}, config=...): config is not JSON-serialisable at "
+        f"{', '.join(bad)}; nothing was written. Convert those values to str, int, "
+        "float, bool, None, lists or dicts, e.g. float(x) or x.tolist().")
+  return dict(config)
+
+
+def _check_folder(run_dir: str) -> None:
+  """Raises `NotADirectoryError` when `run_dir`, or a folder above it, is a file."""
+  existing = os.path.abspath(run_dir)
+  while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    where = ("is a file" if existing == os.path.abspath(run_dir)
+             else f"is under the file {existing!r}")
+    raise NotADirectoryError(
+        f"RunLog({run_dir!r}): the run folder {where}, not a directory. Pass the path "
+        "of a folder (it is created if missing), not of a file.")
 
 
 def _fill(dtype) -> Any:

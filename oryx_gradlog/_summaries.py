@@ -7,6 +7,17 @@ computed by JAX next to the backward pass, so only these small arrays leave the
 device. `summarize` chooses per record name, by pattern, whether to keep the full
 record, its summary, or both.
 
+Cost: XLA on CPU turns a reduction with an elementwise producer into a scalar loop
+and never merges sibling reductions, so each statistic written as its own
+`jnp` reduction is a pass over the record. `summarize_leaf` makes one pass: a
+single variadic `lax.reduce` over chunks of at most 255 entries computes the sum,
+sum of squares, min, max and the histogram, whose bins are packed four to an
+int32 counter (8 bits each, enough for a chunk). It masks nothing, and reads the
+variance as `E[x^2] - mean^2`; a `lax.cond` redoes the summary with masks and a
+centred second pass only when that could be wrong (a non-finite entry, or a mean
+large against the spread). With the default power-of-two edges the bin is read
+off the float exponent; other edges cost one comparison per edge.
+
 Sharp edges:
   * Statistics other than `nonfinite` ignore non-finite entries (NaN, inf), so one
     bad value does not hide the rest; `nonfinite` counts them. A leaf with no finite
@@ -16,7 +27,13 @@ Sharp edges:
     than k axes is an error that names it.
   * Histogram bins are of magnitudes |x|: bin 0 counts |x| below the first edge
     (zeros included), bin i counts edges[i-1] <= |x| < edges[i], the last bin counts
-    |x| >= the last edge.
+    |x| >= the last edge. Edges are compared in float32 (rounded to float32 first).
+  * The default edges are the 25 powers of 4 from 2**-34 to 2**14 (26 bins; they
+    were 29 log10-spaced edges from 1e-10 to 1e4 before). `bins=None` leaves the
+    histogram out (`Summary.histogram` is None): the cheapest summary, which
+    `report` and `export_tensorboard` do not show (they need the histogram).
+  * Under `vmap` of `summarize` the `lax.cond` becomes a select, so both the
+    unmasked and the masked summary are computed.
 """
 
 from __future__ import annotations
@@ -30,17 +47,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
-def magnitude_bins(low: float = 1e-10, high: float = 1e4, count: int = 29) -> np.ndarray:
+def magnitude_bins(low: float = 2.0**-34, high: float = 2.0**14, count: int = 25) -> np.ndarray:
   """Returns `count` log-spaced bin edges from `low` to `high` (the default histogram).
+
+  The default edges are the powers of 4 from 2**-34 (6e-11) to 2**14 (2e4): with
+  edges that are powers of two, a uniform number of octaves apart, summaries read
+  each entry's bin off its float exponent instead of comparing it with every edge.
 
   Example:
     >>> import oryx_gradlog as gl
     >>> gl.magnitude_bins(1e-2, 1e2, 5)
     array([1.e-02, 1.e-01, 1.e+00, 1.e+01, 1.e+02])
+    >>> gl.magnitude_bins(1 / 4, 4, 3)
+    array([0.25, 1.  , 4.  ])
   """
-  return np.logspace(np.log10(low), np.log10(high), count)
+  return 2.0 ** np.linspace(np.log2(low), np.log2(high), count)
 
 
 DEFAULT_BINS = magnitude_bins()
@@ -62,7 +86,8 @@ class Summary:
     min: smallest finite entry.
     max: largest finite entry.
     nonfinite: number of NaN and infinite entries.
-    histogram: counts of |x| in the magnitude bins, `len(bins) + 1` of them.
+    histogram: counts of |x| in the magnitude bins, `len(bins) + 1` of them (None
+      when summarized with `bins=None`).
   """
 
   norm: jax.Array
@@ -85,68 +110,152 @@ class Logged:
   summary: Any = None
 
 
-_LANES = 128
+_IGNORED = 1 << 20  # The bin index of a non-finite entry: it falls in no bin.
 
 
-def _lanes(x, fill):
-  """Reshapes the last axis to (rows, 128), padding with `fill`.
+def _power_of_two_steps(edges: np.ndarray) -> tuple[int, int] | None:
+  """Returns `(first exponent, step)` when `edges` are 2**(first + step * i), else None."""
+  if len(edges) == 0 or not np.all(edges > 0):
+    return None
+  mantissas, exponents = np.frexp(edges.astype(np.float64))
+  exponents = exponents - 1  # edges = 2**exponents exactly when mantissas are 0.5.
+  steps = np.diff(exponents)
+  if (np.any(mantissas != 0.5) or exponents[0] < -126 or exponents[-1] > 127
+      or np.any(steps != (steps[0] if len(steps) else 1)) or (len(steps) and steps[0] < 1)):
+    return None
+  return int(exponents[0]), int(steps[0]) if len(steps) else 1
 
-  XLA on CPU reduces the major axis of a (rows, lanes) array with vector
-  instructions but a long minor axis one element at a time; reducing rows first
-  makes summaries several times cheaper.
+
+def _bin_index(x: jax.Array, bins, masked: bool = True) -> jax.Array:
+  """Returns each entry's magnitude bin (0 to len(bins)); if `masked`, `_IGNORED` where
+  non-finite (else a non-finite entry's bin is meaningless).
+
+  Power-of-two edges (the default) read the bin off the float32 exponent, with
+  integer arithmetic only; other edges count the edges at or below |x|.
   """
-  pad = -x.shape[-1] % _LANES
-  if pad:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=fill)
-  return x.reshape(x.shape[:-1] + (-1, _LANES))
+  edges = np.asarray(bins, np.float32)
+  magnitude = jnp.abs(x)
+  steps = _power_of_two_steps(edges)
+  if steps is not None:
+    first, step = steps
+    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127  # 0: -127.
+    index = jnp.clip((exponent - first) // step + 1, 0, len(edges))
+  else:
+    index = sum((magnitude >= edge).astype(jnp.int32) for edge in edges)
+  return jnp.where(jnp.isfinite(x), index, _IGNORED) if masked else index
 
 
-def _total(x, reduce=jnp.sum):
-  """Reduces the (rows, lanes) axes of `_lanes` output: rows first, then lanes."""
-  return reduce(reduce(x, -2), -1)
+def _chunk_length(n: int) -> int:
+  """Returns the length of the chunks the first reduction pass works on.
+
+  The largest divisor of `n` up to 255, so that a bin's count in a chunk fits in 8
+  bits and four bins share an int32 counter; the whole axis when that divisor is
+  small (a prime length), with 16- or 32-bit counters.
+  """
+  length = max(d for d in range(1, min(n, 255) + 1) if n % d == 0) if n else 1
+  return length if length >= 64 or n <= 255 else n
+
+
+def _bin_counters(index: jax.Array, bins) -> tuple[list[jax.Array], Any]:
+  """Returns int32 per-entry counters whose sums over the last axis pack the histogram.
+
+  Bins share an int32 counter, 8 bits each when the last axis is shorter than 256
+  (16 bits when shorter than 2**16), which cuts the accumulators of the reduction
+  to a quarter; the second result unpacks (..., counters) sums into the counts.
+  """
+  count = len(bins) + 1
+  length = index.shape[-1]
+  width = 8 if length < 1 << 8 else 16 if length < 1 << 16 else 32
+  per = 32 // width
+  counters = [jnp.where(index // per == group, jnp.left_shift(1, index % per * width), 0)
+              for group in range(-(-count // per))]
+
+  def unpack(sums):
+    fields = [lax.shift_right_logical(total, jnp.int32(width * field)) & (2**width - 1)
+              if width < 32 else total for total in sums for field in range(per)]
+    return jnp.stack(fields[:count], -1)
+
+  return counters, unpack
+
+
+def _reduce_last(operands: list[tuple[jax.Array, Any, Any]]) -> list[jax.Array]:
+  """Reduces `(array, init, combine)` triples over their last axis in one pass.
+
+  One variadic reduction: XLA on CPU does not merge sibling reductions, and each
+  separate pass over a record costs about as much as the pass itself.
+  """
+  arrays, inits, combines = zip(*operands)
+  axis = arrays[0].ndim - 1
+
+  def combine(a, b):
+    return tuple(op(p, q) for op, p, q in zip(combines, a, b))
+
+  return list(lax.reduce(arrays, tuple(np.asarray(i, a.dtype) for i, a in zip(inits, arrays)),
+                         combine, (axis,)))
 
 
 def summarize_leaf(x: jax.Array, *, keep_axes: int = 0, bins=DEFAULT_BINS) -> Summary:
-  """Returns the `Summary` of one array, reducing all but its first `keep_axes` axes."""
+  """Returns the `Summary` of one array, reducing all but its first `keep_axes` axes.
+
+  One pass, one variadic reduction without masks, computes the sum, the sum of
+  squares, min, max and the histogram counters; the variance is `E[x^2] - mean^2`.
+  That is right when every entry is finite (checked as a finite sum of squares: a
+  NaN or inf entry makes it NaN or inf) and `mean^2 <= E[x^2] / 2` (so the
+  subtraction cancels at most one bit). Otherwise a `lax.cond` recomputes the
+  summary with masks and a centred second pass.
+  """
   x = jnp.asarray(x)
   if x.ndim < keep_axes:
     raise ValueError(f"has shape {x.shape}, fewer than keep_axes={keep_axes} axes")
   entries = x.reshape(x.shape[:keep_axes] + (-1,)).astype(jnp.float32)
-  padding = -entries.shape[-1] % _LANES  # NaNs, taken off the non-finite count.
-  flat = _lanes(entries, jnp.nan)
-  finite = jnp.isfinite(flat)
-  values = jnp.where(finite, flat, 0.0)
-  count = _total(finite.astype(jnp.int32))
-  mean = _total(values) / jnp.maximum(count, 1)
-  centred = jnp.where(finite, flat - mean[..., None, None], 0.0)
-  return Summary(
-      norm=jnp.sqrt(_total(values * values)),
-      mean=mean,
-      variance=_total(centred * centred) / jnp.maximum(count, 1),
-      min=_total(jnp.where(finite, flat, jnp.inf), jnp.min),
-      max=_total(jnp.where(finite, flat, -jnp.inf), jnp.max),
-      nonfinite=_total((~finite).astype(jnp.int32)) - padding,
-      histogram=_histogram(values, finite, bins),
-  )
+  summary, mean_square = _summarize(entries, bins)
+  fast = jnp.all(jnp.isfinite(mean_square) & (2 * summary.mean**2 <= mean_square))
+  return lax.cond(fast, lambda: summary, lambda: _summarize(entries, bins, masked=True)[0])
 
 
-def _histogram(values, finite, bins):
-  """Counts |values| (where `finite`) in the magnitude bins, over the (rows, lanes) axes.
+def _summarize(entries, bins, masked=False) -> tuple[Summary, jax.Array]:
+  """Returns the summary over the last axis, and E[x^2]; `masked` skips non-finite entries."""
+  n = entries.shape[-1]
+  # Chunks keep the packed bin counts within 8 bits; without a histogram, one chunk.
+  length = (n or 1) if bins is None else _chunk_length(n)
+  chunks = entries.reshape(entries.shape[:-1] + (-1, length))
+  finite = jnp.isfinite(chunks) if masked else None
+  mask = (lambda v, fill: jnp.where(finite, v, fill)) if masked else (lambda v, fill: v)
+  values = mask(chunks, 0.0)
+  counters, unpack = (_bin_counters(_bin_index(chunks, bins, masked), bins)
+                      if bins is not None else ([], lambda sums: None))
+  operands = [(values, 0.0, jnp.add), (values * values, 0.0, jnp.add),
+              (mask(chunks, jnp.inf), jnp.inf, jnp.minimum),
+              (mask(chunks, -jnp.inf), -jnp.inf, jnp.maximum)]
+  operands += [(counter, 0, jnp.add) for counter in counters]
+  if masked:
+    operands.append((finite.astype(jnp.int32), 0, jnp.add))
+  # First pass: per chunk. Then the chunks, a small array.
+  partials = _reduce_last(operands)
+  bin_sums = slice(4, 4 + len(counters))
+  histogram = None if bins is None else jnp.sum(unpack(partials[bin_sums]), -2)
+  # The same reductions over the chunks' results, again as one operation.
+  del partials[bin_sums], operands[bin_sums]
+  total, sumsq, low, high, *count = _reduce_last(
+      [(partial, init, combine) for partial, (_, init, combine) in zip(partials, operands)])
+  count = count[0] if masked else jnp.full(total.shape, n, jnp.int32)
+  divisor = jnp.maximum(count, 1).astype(jnp.float32)
+  mean, mean_square = total / divisor, sumsq / divisor
+  if masked:
+    deviations = mask(chunks - mean[..., None, None], 0.0)
+    variance = jnp.sum(deviations * deviations, (-2, -1)) / divisor
+  else:
+    variance = jnp.maximum(mean_square - mean * mean, 0.0)
+  summary = Summary(norm=jnp.sqrt(sumsq), mean=mean, variance=variance, min=low, max=high,
+                    nonfinite=n - count, histogram=histogram)
+  return summary, mean_square
 
-  One fused pass: count the entries at or above each edge, then take differences.
-  """
-  edges = jnp.asarray(bins, jnp.float32)[:, None, None]
-  at_or_above = _total(((jnp.abs(values)[..., None, :, :] >= edges)
-                        & finite[..., None, :, :]).astype(jnp.int32))
-  total = _total(finite.astype(jnp.int32))[..., None]
-  return jnp.concatenate(
-      [total - at_or_above[..., :1], at_or_above[..., :-1] - at_or_above[..., 1:],
-       at_or_above[..., -1:]], -1)
 
-
-def magnitude_histogram(values, finite, bins=DEFAULT_BINS):
-  """Counts |values| (where `finite`) in the magnitude bins, over the last axis."""
-  return _histogram(_lanes(values, 0.0), _lanes(finite, False), bins)
+def magnitude_histogram(x: jax.Array, bins=DEFAULT_BINS) -> jax.Array:
+  """Counts |x| of the finite entries of `x` in the magnitude bins, over the last axis."""
+  x = x.reshape(x.shape[:-1] + (-1, _chunk_length(x.shape[-1])))
+  counters, unpack = _bin_counters(_bin_index(x, bins), bins)
+  return jnp.sum(unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters])), -2)
 
 
 def _matches(name: str, patterns: str | Iterable[str]) -> bool:
@@ -173,7 +282,8 @@ def summarize(
     summary: names or patterns of records to summarize (default: all).
     keep_axes: leading axes to keep in summaries (1: per call, 2: per call and
       example for `(call, example, ...)` records).
-    bins: magnitude histogram edges (default `magnitude_bins()`).
+    bins: magnitude histogram edges (default `magnitude_bins()`), or None for no
+      histogram (`Summary.histogram` is None; the cheapest summaries).
 
   Returns:
     `{name: Logged(full=..., summary=...)}` for every name matched by `full` or

@@ -102,6 +102,80 @@ def test_a_changed_leaf_is_a_clear_error(tmp_path):
   assert gl.open_run(tmp_path).sizes["step"] == 1
 
 
+def _three_steps(run_dir):
+  log = gl.RunLog(run_dir)
+  for step in range(3):
+    log.append(step, {"x": np.float32(step)})
+  return log
+
+
+def _assert_steps(run_dir, steps):
+  run = gl.open_run(run_dir)
+  np.testing.assert_array_equal(run["step"].values, steps)
+  np.testing.assert_array_equal(run["x"].values, np.asarray(steps, np.float32))
+
+
+@pytest.mark.parametrize("step", [2, 1, np.int64(0), jnp.int32(2)])
+def test_a_repeated_or_earlier_step_is_an_error_not_a_duplicate(tmp_path, step):
+  log = _three_steps(tmp_path)
+  with pytest.raises(ValueError, match=rf"RunLog.append: step {int(step)} is not after the "
+                     r"last step 2 .*steps must increase.*Pass a growing step counter"):
+    log.append(step, {"x": np.float32(-1)})
+  log.append(np.int64(5), {"x": np.float32(5)})  # The log carries on; gaps are fine.
+  log.close()
+  _assert_steps(tmp_path, [0, 1, 2, 5])
+
+
+def test_steps_must_also_increase_across_resume(tmp_path):
+  _three_steps(tmp_path).close()
+  with gl.RunLog(tmp_path, resume=True) as log:
+    with pytest.raises(ValueError, match=r"step 2 is not after the last step 2"):
+      log.append(2, {"x": np.float32(-1)})
+    log.append(jnp.int32(3), {"x": np.float32(3)})
+  _assert_steps(tmp_path, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("step", ["five", "4", 2.7, 3.0, np.float32(3), jnp.float32(3), True,
+                                  np.bool_(True), np.arange(2), None])
+def test_a_non_integer_step_is_an_error_naming_step(tmp_path, step):
+  log = _three_steps(tmp_path)
+  with pytest.raises(ValueError, match=r"RunLog.append: step must be an integer, got .* of "
+                     r"type .*Pass the step counter as an int"):
+    log.append(step, {"x": np.float32(-1)})
+  log.append(3, {"x": np.float32(3)})
+  log.close()
+  _assert_steps(tmp_path, [0, 1, 2, 3])
+
+
+def test_a_bad_config_is_refused_before_the_folder_is_made(tmp_path):
+  run_dir = tmp_path / "run"
+  with pytest.raises(TypeError, match=r"config=\.\.\.\): config is not JSON-serialisable at "
+                     r"'lr' \(float32\), 'mask' \(ndarray\); nothing was written"):
+    gl.RunLog(run_dir, config={"lr": np.float32(0.1), "mask": np.ones(2), "ok": [1, "a"]})
+  assert not run_dir.exists()
+  with pytest.raises(TypeError, match=r"config must be a mapping, got list"):
+    gl.RunLog(run_dir, config=[1, 2])
+  assert not run_dir.exists()
+  _three_steps(run_dir).close()  # The corrected retry starts clean.
+  assert gl.open_run(run_dir).attrs["config"] == {}
+  with pytest.raises(TypeError, match=r"'lr' \(float32\)"):  # A resume leaves the run be.
+    gl.RunLog(run_dir, resume=True, config={"lr": np.float32(0.1)})
+  _assert_steps(run_dir, [0, 1, 2])
+
+
+def test_a_file_as_run_folder_says_it_is_not_a_directory(tmp_path):
+  _three_steps(tmp_path / "run").close()
+  notes = tmp_path / "notes.txt"
+  notes.write_text("mine")
+  with pytest.raises(NotADirectoryError, match=r"RunLog\('.*notes.txt'\): the run folder is a "
+                     r"file, not a directory. Pass the path of a folder"):
+    gl.RunLog(notes)
+  with pytest.raises(NotADirectoryError, match=r"the run folder is under the file '.*notes.txt'"):
+    gl.RunLog(notes / "run")
+  assert notes.read_text() == "mine"
+  _assert_steps(tmp_path / "run", [0, 1, 2])
+
+
 def test_disk_full_raises_with_the_fix_and_corrupts_nothing(tmp_path, monkeypatch):
   import zarr.storage._local as local  # The file writes of zarr's LocalStore.
 

@@ -1,5 +1,7 @@
 """Summaries and running statistics against numpy on the full history."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,72 @@ def test_summary_matches_numpy(keep_axes):
     np.testing.assert_array_equal(summary.histogram[index], _numpy_histogram(row))
 
 
+def _assert_summary_matches_numpy(summary, x, keep_axes, bins, rtol=1e-5):
+  flat = x.reshape(x.shape[:keep_axes] + (-1,))
+  for index in np.ndindex(*x.shape[:keep_axes]):
+    row = flat[index]
+    finite = row[np.isfinite(row)]
+    np.testing.assert_allclose(summary.norm[index], np.linalg.norm(finite), rtol=rtol)
+    np.testing.assert_allclose(summary.mean[index], finite.mean(), rtol=rtol, atol=1e-6)
+    np.testing.assert_allclose(summary.variance[index], finite.var(), rtol=rtol)
+    assert summary.min[index] == finite.min() and summary.max[index] == finite.max()
+    assert summary.nonfinite[index] == np.sum(~np.isfinite(row))
+    np.testing.assert_array_equal(summary.histogram[index], _numpy_histogram(row, bins))
+
+
+@pytest.mark.parametrize("bins", [BINS, gl.magnitude_bins()], ids=["log10", "default_pow2"])
+@pytest.mark.parametrize("bad_values", [True, False], ids=["nan_inf", "all_finite"])
+@pytest.mark.parametrize("keep_axes", [0, 1, 2])
+def test_every_path_matches_numpy(keep_axes, bad_values, bins):
+  # Finite records take the unmasked pass, others the masked one; both bin kinds.
+  x = _records_with_bad_values(seed=1, shape=(4, 6, 300))
+  x *= np.exp(np.random.default_rng(2).normal(size=x.shape) * 6).astype(np.float32)
+  if not bad_values:
+    x = np.where(np.isfinite(x), x, 1.5).astype(np.float32)
+  step = jax.jit(lambda x: gl.summarize({"r": x}, keep_axes=keep_axes, bins=bins)["r"].summary)
+  _assert_summary_matches_numpy(step(x), x, keep_axes, bins)
+
+
+def test_statistics_only_without_histogram():
+  x = _records_with_bad_values(seed=4, shape=(3, 5, 40)).reshape(3, 200)
+  summary = jax.jit(lambda x: gl.summarize({"r": x}, keep_axes=1, bins=None))(x)["r"].summary
+  assert summary.histogram is None
+  full = jax.jit(lambda x: gl.summarize({"r": x}, keep_axes=1, bins=BINS))(x)["r"].summary
+  _assert_summary_matches_numpy(dataclasses.replace(summary, histogram=full.histogram), x, 1,
+                                BINS)
+
+
+def test_histogram_is_exact_on_edges_zeros_subnormals_and_extremes():
+  edges = gl.magnitude_bins().astype(np.float32)
+  x = np.concatenate([edges, np.nextafter(edges, np.float32(0)), -edges, edges * 3,
+                      [0.0, -0.0, 1e-45, -1e-40, 3e38, -3e38, np.inf, np.nan]]).astype(np.float32)
+  for bins in (gl.magnitude_bins(), BINS, [1.0]):
+    histogram = jax.jit(lambda x, bins=bins: gl.summarize({"r": x}, bins=bins))(x)
+    float32_edges = np.asarray(bins, np.float32).astype(np.float64)  # Compared in float32.
+    np.testing.assert_array_equal(histogram["r"].summary.histogram,
+                                  _numpy_histogram(x, float32_edges))
+
+
+def test_histogram_counts_past_8_and_16_bits():
+  # Rows of every chunking (prime lengths too), all in one bin, with and without a NaN.
+  for n in (255, 257, 4099, 65535, 65537, 70000):
+    x = np.ones(n, np.float32)
+    for bad in (False, True):
+      x[7] = np.nan if bad else 1.0
+      summary = jax.jit(gl.summarize)({"r": x})["r"].summary
+      np.testing.assert_array_equal(summary.histogram, _numpy_histogram(x, gl.magnitude_bins()))
+      assert summary.nonfinite == bad
+
+
+def test_variance_is_stable_for_a_large_mean():
+  # E[x^2] - mean^2 would lose every digit here; numpy centres in float64.
+  x = (1000.0 + np.random.default_rng(3).normal(size=(4, 512))).astype(np.float32)
+  for keep_axes in (0, 1):
+    summary = jax.jit(lambda x, k=keep_axes: gl.summarize({"r": x}, keep_axes=k))(x)
+    flat = x.astype(np.float64).reshape(x.shape[:keep_axes] + (-1,))
+    np.testing.assert_allclose(summary["r"].summary.variance, flat.var(-1), rtol=1e-4)
+
+
 def test_keep_full_summary_or_both_by_pattern():
   records = {"dense1": jnp.ones(3), "dense2": (jnp.ones(2), None), "h": jnp.arange(3.0)}
   logged = gl.summarize(records, full=("h", "dense1"), summary="dense*")
@@ -72,8 +140,11 @@ def test_per_example_norms_from_a_vmapped_reap():
                              rtol=1e-5)
 
 
-def test_running_statistics_match_numpy_over_the_history():
+@pytest.mark.parametrize("finite_steps", [(), (0, 1, 2, 5, 8, 9, 10)])
+def test_running_statistics_match_numpy_over_the_history(finite_steps):
+  # Steps with non-finite entries take the masked update, the others the plain one.
   history = np.stack([_records_with_bad_values(seed) for seed in range(12)])
+  history[list(finite_steps)] = np.nan_to_num(history[list(finite_steps)], posinf=3.0)
   decay = 0.9
   stats = gl.running_statistics(decay=decay, bins=BINS)
 
