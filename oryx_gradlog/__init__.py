@@ -14,6 +14,15 @@ from oryx_gradlog import _compat
 _compat.check_supported()
 
 from oryx_gradlog import _oryx_rules  # noqa: F401  (installs Oryx rules)
+from oryx_gradlog._accounting import (
+    dp_epsilon,
+    dp_noise_multiplier,
+)
+from oryx_gradlog._clip import (
+    ClippedGrads,
+    clipped_grads,
+    to_param_tree,
+)
 from oryx_gradlog._curvature import (
     KFACFactors,
     LayerParams,
@@ -31,6 +40,7 @@ from oryx_gradlog._layers import (
     dense,
     dense_dot_general,
     embed,
+    layer_norm,
 )
 from oryx_gradlog._moving_average import (
     MovingAverage,
@@ -45,6 +55,14 @@ from oryx_gradlog._noise import (
     GradientNoise,
     NoiseScale,
     gradient_noise_scale,
+)
+from oryx_gradlog._privacy import (
+    DPNoiseState,
+    DPNoiseTransform,
+    PoissonBatch,
+    add_dp_noise,
+    dp_noise,
+    poisson_batch,
 )
 from oryx_gradlog._reap import (
     call_and_reap,
@@ -77,7 +95,10 @@ from oryx_gradlog._tensorboard import export_tensorboard
 __version__ = "0.1.0"
 
 __all__ = (
+    "ClippedGrads",
     "DEFAULT_TAG",
+    "DPNoiseState",
+    "DPNoiseTransform",
     "GradientNoise",
     "KFACFactors",
     "LayerInputs",
@@ -87,25 +108,33 @@ __all__ = (
     "NoiseScale",
     "NonFiniteReport",
     "PerExampleNorms",
+    "PoissonBatch",
     "RunLog",
     "RunningStats",
     "StatisticsTransform",
     "Summary",
     "VJPRecord",
+    "add_dp_noise",
     "call_and_reap",
+    "clipped_grads",
     "conv2d",
     "dense",
     "dense_dot_general",
+    "dp_epsilon",
+    "dp_noise",
+    "dp_noise_multiplier",
     "embed",
     "export_tensorboard",
     "find_nonfinite",
     "gradient_noise_scale",
     "gradient_variance",
     "kfac_factors",
+    "layer_norm",
     "magnitude_bins",
     "moving_average",
     "open_run",
     "per_example_norms",
+    "poisson_batch",
     "raise_if_nonfinite",
     "reap",
     "record_vjp",
@@ -114,4 +143,5 @@ __all__ = (
     "sum_grad_squared",
     "summarize",
     "tap",
+    "to_param_tree",
 )

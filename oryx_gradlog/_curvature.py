@@ -85,11 +85,12 @@ class KFACFactors:
 )
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-  """A per-parameter quantity of one dense layer, shaped like its parameters.
+  """A per-parameter quantity of one layer, shaped like its parameters.
 
   Attributes:
-    w: `(*calls, d_in, d_out)`, like the weight.
-    b: `(*calls, d_out)`, like the bias, or `None` for a layer without one.
+    w: like the weight, `(*calls, d_in, d_out)` for a dense layer (the kernel, table
+      or layer-norm scale for the other layer kinds).
+    b: like the bias (or layer-norm offset), or `None` for a layer without one.
   """
 
   w: jax.Array

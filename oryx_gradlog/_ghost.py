@@ -19,15 +19,18 @@ output pixel; feature groups are independent dense layers.
 
 Everything comes from the layer records (`x`, `g`) of the batch loss's backward pass:
 `gl.reap(jax.grad(loss))(...)` with layers marked by `gl.dense`, `gl.conv2d`,
-`gl.embed`. Loss convention: the batch loss is `sum_i l_i` (`reduction="sum"`) or
-`mean_i l_i` (`reduction="mean"`, the default); a per-example gradient is always
-the gradient of `l_i` itself, so for a mean the recorded cotangents are multiplied
-by the batch size.
+`gl.embed`, `gl.layer_norm` (whose scale's per-example gradient is
+`sum_t xhat_it * g_it`, `xhat` the normalised input). Loss convention: the batch
+loss is `sum_i l_i` (`reduction="sum"`) or `mean_i l_i` (`reduction="mean"`, the
+default); a per-example gradient is always the gradient of `l_i` itself, so for a
+mean the recorded cotangents are multiplied by the batch size.
 
 Sharp edges:
   * Only marked layers count: `total` is the norm over the parameters of the layer
-    records analysed, not over parameters used elsewhere (a layer norm's scale).
-    Mark every layer whose parameters you want in the total.
+    records analysed, not over parameters used elsewhere (a layer norm applied
+    without `gl.layer_norm`). Mark every layer whose parameters you want in the total.
+  * A layer norm's per-example gradient is always formed (it is `(d,)`), whatever
+    `method` says; its method is reported as "materialized".
   * Calls of one name are taken to have their own weights (scan over stacked
     layers: norms per call, shape `(*calls, batch)`). For calls sharing one weight
     (an RNN cell, a layer applied twice) pass `tied=(name,)`: its gradient sums
@@ -53,11 +56,13 @@ import jax
 import jax.numpy as jnp
 
 from oryx_gradlog import _layers
-from oryx_gradlog._layers import CONV2D, DENSE, EMBED, HIGHEST, Positions
+from oryx_gradlog._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM, Positions
 
 GRAM, MATERIALIZED = "gram", "materialized"
 _METHODS = ("auto", GRAM, MATERIALIZED)
 _REDUCTIONS = ("mean", "sum")
+# The layer kinds whose per-example gradient norms `squared_norms` computes.
+NORM_KINDS = (DENSE, CONV2D, EMBED, LAYER_NORM)
 
 
 @functools.partial(
@@ -102,6 +107,8 @@ def loss_scale(reduction: str, batch_size: int) -> float:
 
 def choose_method(view: Positions, method: str) -> str:
   """Gram form or materialised per-example gradients, whichever costs less."""
+  if view.kind == LAYER_NORM:  # Its per-example gradient is one (d,) vector.
+    return MATERIALIZED
   if method != "auto":
     return method
   t, d_out = view.g.shape[2], view.g.shape[3]
@@ -118,6 +125,8 @@ def _dot(spec, a, b):
 def weight_squared_norms(view: Positions, method: str) -> jax.Array:
   """`(S, B)` squared norms of `sum_t x_t^T g_t` (unscaled), for the weight."""
   x, g = view.x, view.g
+  if view.kind == LAYER_NORM:  # Element-wise scale: sum_t xhat_t * g_t.
+    return jnp.sum(jnp.sum(x * g, axis=2) ** 2, axis=-1)
   if view.kind == EMBED:
     if method == GRAM and g.shape[2] == 1:
       return jnp.sum(g * g, axis=(2, 3))
@@ -138,7 +147,7 @@ def weight_squared_norms(view: Positions, method: str) -> jax.Array:
 
 def squared_norms(
     api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
-    tied: Collection[str], method: str,
+    tied: Collection[str], method: str, kinds: Sequence[str] = (DENSE, CONV2D, EMBED),
 ) -> tuple[dict[str, jax.Array], dict[str, str], dict[str, Positions]]:
   """Per layer, `(*calls, B)` squared per-example norms (of `l_i`), methods and views."""
   check_reduction(api, reduction)
@@ -146,7 +155,7 @@ def squared_norms(
     raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
   tied = check_tied(api, records, tied)
   squares, methods, views = {}, {}, {}
-  for name in _layers.select(api, records, names, (DENSE, CONV2D, EMBED)):
+  for name in _layers.select(api, records, names, kinds):
     view = _layers.positions(api, name, records[name], tied=name in tied)
     chosen = choose_method(view, method)
     square = weight_squared_norms(view, chosen)
@@ -180,9 +189,9 @@ def per_example_norms(
   """Returns the norms of per-example gradients from one backward pass's records.
 
   Reap the records of the ordinary gradient of the batch loss, with layers marked
-  by `gl.dense`, `gl.conv2d`, `gl.embed` (or `gl.dense_dot_general`); per-example
-  gradients are never formed unless materialising is cheaper for a layer (then
-  one layer's at a time). Works under `jit`, `vmap` and with sharded batches.
+  by `gl.dense`, `gl.conv2d`, `gl.embed`, `gl.layer_norm` (or
+  `gl.dense_dot_general`); per-example gradients are never formed unless
+  materialising is cheaper for a layer (then one layer's at a time). Works under `jit`, `vmap` and with sharded batches.
 
   Args:
     records: the dict that `gl.reap` / `gl.call_and_reap` returns.
@@ -212,7 +221,7 @@ def per_example_norms(
   """
   squares, methods, _ = squared_norms(
       "per_example_norms", records, reduction=reduction, names=names, tied=tied,
-      method=method)
+      method=method, kinds=NORM_KINDS)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
   return PerExampleNorms(
       layers={name: jnp.sqrt(s) for name, s in squares.items()},

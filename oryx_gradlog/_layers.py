@@ -1,8 +1,9 @@
-"""Layer records: dense, conv2d and embedding layers whose records describe themselves.
+"""Layer records: dense, conv2d, embedding and layer-norm layers that describe themselves.
 
 The analyses (per-example gradient norms, K-FAC factors, gradient noise) need, per
 layer, the layer's input `x`, its weight `w` and the cotangent `g` of its output,
-and they need to know what the layer computes. `dense`, `conv2d` and `embed` are
+and they need to know what the layer computes. `dense`, `conv2d`, `embed` and
+`layer_norm` are
 `record_vjp(..., full=True)` wrappers whose single positional input is a
 `LayerInputs` pytree: its data are `x`, `w`, `b`, and its static fields say the kind
 of layer and its options (strides, padding, ...). So the record of a layer is an
@@ -66,10 +67,10 @@ from jax import lax
 from oryx_gradlog._record import VJPRecord, record_vjp
 from oryx_gradlog._sites import DEFAULT_TAG
 
-DENSE, CONV2D, EMBED = "dense", "conv2d", "embed"
+DENSE, CONV2D, EMBED, LAYER_NORM = "dense", "conv2d", "embed", "layer_norm"
 # The rank of the weight of each kind of layer; a record's weight has more axes
 # only in front, one per stacked call axis.
-_WEIGHT_RANK = {DENSE: 2, CONV2D: 4, EMBED: 2}
+_WEIGHT_RANK = {DENSE: 2, CONV2D: 4, EMBED: 2, LAYER_NORM: 1}
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -116,6 +117,8 @@ def _apply(layer: LayerInputs) -> jax.Array:
     y = jnp.matmul(layer.x, layer.w, precision=options.get("precision"))
   elif layer.kind == EMBED:
     return jnp.take(layer.w, layer.x, axis=0)
+  elif layer.kind == LAYER_NORM:
+    y = normalize(layer.x, options["eps"]) * layer.w
   else:
     y = lax.conv_general_dilated(
         layer.x, layer.w, options["window_strides"], options["padding"],
@@ -130,6 +133,13 @@ def _apply(layer: LayerInputs) -> jax.Array:
     shape[out_spec[1]] = -1
     return y + jnp.reshape(layer.b, shape)
   return y + layer.b
+
+
+def normalize(x: jax.Array, eps: float) -> jax.Array:
+  """`(x - mean) / sqrt(var + eps)` over the last axis: a layer norm without parameters."""
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  centred = x - mean
+  return centred * lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
 
 
 def _record(layer: LayerInputs, name: str, tag: str) -> jax.Array:
@@ -317,6 +327,47 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str, tag: str = DEFAULT_TAG
   return _record(LayerInputs(ids, table, None, EMBED), name, tag)
 
 
+def layer_norm(
+    x: jax.Array, scale: jax.Array, offset: jax.Array | None = None, *, name: str,
+    eps: float = 1e-6, tag: str = DEFAULT_TAG,
+) -> jax.Array:
+  """Returns the layer norm of `x` over its last axis, recorded as a layer named `name`.
+
+  Computes `(x - mean) / sqrt(var + eps) * scale + offset`, mean and variance over
+  the last axis (as Flax's `nn.LayerNorm`). The record's `LayerInputs` holds `x`,
+  `w=scale` and `b=offset`, so that `per_example_norms` and `clipped_grads` count the
+  per-example gradients of the scale (`sum_t xhat_t * g_t`) and the offset
+  (`sum_t g_t`).
+
+  Args:
+    x: input `(batch, *positions, d)`.
+    scale: `(d,)`.
+    offset: optional `(d,)`.
+    name: the record name.
+    eps: added to the variance.
+    tag: the Oryx tag of the record.
+
+  Returns:
+    The normalised, scaled and shifted `x`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> first = lambda y: y[..., 0]
+    >>> loss = lambda s, x: jnp.sum(first(gl.layer_norm(x, s, name="ln", eps=0.0)))
+    >>> x = jnp.array([[0.0, 2.0], [3.0, 1.0]])  # normalised: [-1, 1] and [1, -1]
+    >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.ones(2), x), reduction="sum").total
+    Array([1., 1.], dtype=float32)
+  """
+  scale = jnp.asarray(scale)
+  d = jnp.shape(x)[-1:]
+  if scale.shape != d or (offset is not None and jnp.shape(offset) != d):
+    raise ValueError(
+        f"layer_norm(name={name!r}): got x {jnp.shape(x)}, scale {scale.shape} and offset "
+        f"{None if offset is None else jnp.shape(offset)}; scale and offset must have "
+        "the shape (d,) of x's last axis, which the layer normalises.")
+  return _record(LayerInputs(x, scale, offset, LAYER_NORM, (("eps", float(eps)),)), name, tag)
+
+
 # ----------------------------------------------------------------------------------
 # The canonical view of a layer record, for the analyses.
 
@@ -327,8 +378,8 @@ class Positions:
 
   Attributes:
     kind: the layer kind.
-    x: `(S, B, T, d_in)` inputs per position (patches for conv2d); token ids
-      `(S, B, T)` for an embedding.
+    x: `(S, B, T, d_in)` inputs per position (patches for conv2d, the normalised
+      input for a layer norm); token ids `(S, B, T)` for an embedding.
     g: `(S, B, T, d_out)` output cotangents per position.
     bias_g: `(S, B, d_out)` sums of `g` over positions if the layer has a bias.
     stack_shape: the call axes `S` was flattened from (`()` when tied).
@@ -350,7 +401,7 @@ class Positions:
 
 
 def is_layer_record(record: Any) -> bool:
-  """Whether `record` was made by `dense`, `conv2d`, `embed` or `dense_dot_general`."""
+  """Whether `record` was made by a layer helper (`dense`, `conv2d`, `embed`, ...)."""
   return (isinstance(record, VJPRecord) and isinstance(record.primals, tuple)
           and len(record.primals) == 1 and isinstance(record.primals[0], LayerInputs))
 
@@ -404,7 +455,7 @@ def positions(api: str, name: str, record: VJPRecord, *, tied: bool) -> Position
   w, x = layer.w, layer.x
   stack = tuple(w.shape[:call_axes(record)])
   n = len(stack)
-  per_call_rank = {DENSE: 2, CONV2D: 4, EMBED: 1}[layer.kind]
+  per_call_rank = {DENSE: 2, CONV2D: 4, EMBED: 1, LAYER_NORM: 2}[layer.kind]
   if x.ndim < n + per_call_rank:
     raise ValueError(
         f"{api}: record {name!r} has input x of shape {x.shape} and {n} call axes "
@@ -419,6 +470,8 @@ def positions(api: str, name: str, record: VJPRecord, *, tied: bool) -> Position
   if layer.kind == CONV2D:
     x, g, groups = _conv_positions(api, name, layer, g, stack)
   else:
+    if layer.kind == LAYER_NORM:  # Its scale multiplies the normalised input.
+      x = normalize(_float(x), options["eps"])
     batch = x.shape[n]
     x = x.reshape((size, batch, -1) + x.shape[x.ndim - per_call_rank + 1:])
     g = g.reshape((size, batch, -1, g.shape[-1]))

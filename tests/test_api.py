@@ -10,13 +10,16 @@ from oryx_gradlog import _compat
 
 def test_all_is_the_documented_api():
   assert sorted(gl.__all__) == [
-      "DEFAULT_TAG", "GradientNoise", "KFACFactors", "LayerInputs", "LayerParams", "Logged",
-      "MovingAverage", "NoiseScale", "NonFiniteReport", "PerExampleNorms", "RunLog",
-      "RunningStats", "StatisticsTransform", "Summary", "VJPRecord", "call_and_reap", "conv2d",
-      "dense", "dense_dot_general", "embed", "export_tensorboard", "find_nonfinite",
-      "gradient_noise_scale", "gradient_variance", "kfac_factors", "magnitude_bins",
-      "moving_average", "open_run", "per_example_norms", "raise_if_nonfinite", "reap",
-      "record_vjp", "report", "running_statistics", "sum_grad_squared", "summarize", "tap"]
+      "ClippedGrads", "DEFAULT_TAG", "DPNoiseState", "DPNoiseTransform", "GradientNoise",
+      "KFACFactors", "LayerInputs", "LayerParams", "Logged", "MovingAverage", "NoiseScale",
+      "NonFiniteReport", "PerExampleNorms", "PoissonBatch", "RunLog", "RunningStats",
+      "StatisticsTransform", "Summary", "VJPRecord", "add_dp_noise", "call_and_reap",
+      "clipped_grads", "conv2d", "dense", "dense_dot_general", "dp_epsilon", "dp_noise",
+      "dp_noise_multiplier", "embed", "export_tensorboard", "find_nonfinite",
+      "gradient_noise_scale", "gradient_variance", "kfac_factors", "layer_norm",
+      "magnitude_bins", "moving_average", "open_run", "per_example_norms", "poisson_batch",
+      "raise_if_nonfinite", "reap", "record_vjp", "report", "running_statistics",
+      "sum_grad_squared", "summarize", "tap", "to_param_tree"]
   assert gl.DEFAULT_TAG == "vjp"
 
 

@@ -1,0 +1,264 @@
+"""Clipped gradients for DP-SGD from the records of one ordinary backward pass.
+
+DP-SGD (Abadi et al. 2016) needs `sum_i c_i grad_i` with `c_i = min(1, C / |grad_i|)`.
+For a marked layer, example i's gradient is linear in its output cotangent `g_i`
+(dense: `x_i^T g_i`; conv2d: the same over patches; embedding: `g_i` scattered into
+the rows of the ids; layer norm: `sum_t xhat_t g_t`), so the clipped sum is the
+layer's ordinary weight gradient with the cotangent `c_i g_i` in place of `g_i`:
+
+    sum_i c_i grad_i(w) = vjp of the layer w.r.t. (w, b) at cotangent (c * g)
+
+which `clipped_grads` computes with `jax.vjp` of the very function the layer helper
+applies (so strides, padding, dilation, groups, layouts and repeated ids are handled
+as the layer handles them). The norms `|grad_i|` come from `per_example_norms` of
+the same records (the "book-keeping" idea of Bu et al. 2023): one forward and one
+backward pass, no second, reweighted backward pass and no per-example gradients.
+
+Under `jit`, reap with `gl.reap` (not `call_and_reap`) and leave the reaped weight
+cotangents unused: XLA then drops the backward pass's own weight gradients, and the
+step costs about what a plain gradient does.
+
+`to_param_tree` places the per-layer results into the structure of the parameters.
+
+Sharp edges:
+  * The privacy guarantee covers only the parameters whose gradients come out of
+    `clipped_grads`. Every trainable parameter must be in a marked layer; a
+    parameter used outside one (a plain matmul, a tied output projection) would
+    get no clipped gradient: `to_param_tree` raises for it.
+  * Calls of one name under `scan` have their own weights: results have the call
+    axes in front, like the stacked weights. Pass `tied=(name,)` for calls that
+    share one weight; their gradients are summed over the calls.
+  * `reduction="mean"` returns `(1/B) sum_i c_i grad_i` (what `jax.grad` of the mean
+    loss gives when nothing is clipped) with `B` the records' batch size, padding
+    included; `"sum"` returns `sum_i c_i grad_i`. Add noise to match
+    (`gl.add_dp_noise` with the same `reduction`).
+  * As for `per_example_norms`, call it on the records as the reap returns them,
+    inside any vmap or scan that made them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from oryx_gradlog import _ghost, _layers
+from oryx_gradlog._curvature import LayerParams
+from oryx_gradlog._layers import CONV2D, LayerInputs
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["layers", "norms"],
+    meta_fields=["l2_norm_clip", "reduction", "batch_size"],
+)
+@dataclasses.dataclass(frozen=True)
+class ClippedGrads:
+  """The clipped gradient of each marked layer and the norms that clipped it.
+
+  Attributes:
+    layers: per record name, a `LayerParams` shaped like the layer's parameters
+      (`w` the weight, kernel, table or layer-norm scale; `b` the bias or offset,
+      `None` without one), with the record's call axes in front.
+    norms: `(batch,)`, each example's gradient norm over all the layers, before
+      clipping.
+    l2_norm_clip: the clip norm `C` (static).
+    reduction: `"mean"` or `"sum"` (static).
+    batch_size: the records' batch size `B` (static).
+  """
+
+  layers: dict[str, LayerParams]
+  norms: jax.Array
+  l2_norm_clip: float
+  reduction: str
+  batch_size: int
+
+  @property
+  def factors(self) -> jax.Array:
+    """`(batch,)`, the clip factors `min(1, C / norm)`."""
+    return clip_factors(self.norms, self.l2_norm_clip)
+
+
+def clip_factors(norms: jax.Array, l2_norm_clip: float) -> jax.Array:
+  """`min(1, C / norm)`, and 1 for a zero norm."""
+  return l2_norm_clip / jnp.maximum(norms, l2_norm_clip)
+
+
+def _layer_function(layer: LayerInputs, lead: int):
+  """`(w, b) -> layer output`, with `x` fixed; vmapped over `lead` axes of `x` only."""
+  def apply(w, b, x):
+    return _layers._apply(dataclasses.replace(layer, x=x, w=w, b=b))
+  for _ in range(lead):
+    apply = jax.vmap(apply, in_axes=(None, None, 0))
+  return apply
+
+
+def _clipped_layer(record, factors, tied) -> LayerParams:
+  """The clipped gradient of one layer record: its vjp at the cotangent `c g`.
+
+  The recorded `g` is the per-example loss's cotangent times 1/B for a mean loss, so
+  the one vjp gives the clipped sum (sum loss) or the clipped mean (mean loss).
+  """
+  layer, g = record.primals[0], record.out_cotangent
+  calls = _layers.call_axes(record)
+  # The example axis follows the call axes; for a conv2d applied per example under a
+  # vmap, the vmapped axes come before the conv's own four.
+  lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
+  shape = [1] * g.ndim
+  shape[calls] = -1
+  cotangent = factors.reshape(shape).astype(g.dtype) * g
+  apply = _layer_function(layer, lead)
+  for _ in range(calls):
+    apply = jax.vmap(apply)
+  b = layer.b
+  _, vjp = jax.vjp(lambda w, b: apply(w, b, layer.x), layer.w, b)
+  w_grad, b_grad = vjp(cotangent)
+  if b is None and layer.options.get("bias", False):  # dense_dot_general's bias.
+    b_grad = jnp.sum(cotangent, axis=tuple(range(calls, cotangent.ndim - 1)))
+  if tied:
+    w_grad = jnp.sum(w_grad, axis=tuple(range(calls)))
+    b_grad = None if b_grad is None else jnp.sum(b_grad, axis=tuple(range(calls)))
+  return LayerParams(w_grad, b_grad)
+
+
+def clipped_grads(
+    records: dict[str, Any],
+    *,
+    l2_norm_clip: float,
+    reduction: str = "mean",
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+    method: str = "auto",
+) -> ClippedGrads:
+  """Returns each layer's clipped gradient `sum_i min(1, C / |grad_i|) grad_i`.
+
+  From the layer records of one ordinary backward pass of the batch loss (layers
+  marked by `gl.dense`, `gl.conv2d`, `gl.embed`, `gl.layer_norm` or
+  `gl.dense_dot_general`): the norms are those of `per_example_norms`, over all the
+  layers analysed; no per-example gradient is formed unless that layer's norm is
+  cheaper materialised (see `per_example_norms`). Works under `jit`, `scan` and with
+  sharded batches.
+
+  Args:
+    records: the dict that `gl.reap` / `gl.call_and_reap` returns.
+    l2_norm_clip: the clip norm `C`, a positive number.
+    reduction: `"mean"` if the loss is `mean_i l_i` (result divided by the batch
+      size), `"sum"` if it is `sum_i l_i`.
+    names: the layer records to use (default: every layer record).
+    tied: names whose calls share one weight (see `per_example_norms`).
+    method: how the norms are computed (see `per_example_norms`).
+
+  Returns:
+    A `ClippedGrads` with a `LayerParams` per layer and the per-example norms.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.sum(gl.dense(x, w, name="fc"))
+    >>> x = jnp.array([[3.0], [0.5]])  # grad_i = x_i: 3 is clipped to 1, 0.5 is kept
+    >>> clipped = gl.clipped_grads(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x),
+    ...                            l2_norm_clip=1.0, reduction="sum")
+    >>> clipped.layers["fc"].w, clipped.norms
+    (Array([[1.5]], dtype=float32), Array([3. , 0.5], dtype=float32))
+  """
+  api = "clipped_grads"
+  if not l2_norm_clip > 0:
+    raise ValueError(
+        f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
+  squares, _, views = _ghost.squared_norms(
+      api, records, reduction=reduction, names=names, tied=tied, method=method,
+      kinds=_ghost.NORM_KINDS)
+  batch_sizes = {view.batch_size for view in views.values()}
+  if len(batch_sizes) != 1:
+    raise ValueError(
+        f"{api}: the layer records have batch sizes {sorted(batch_sizes)}, by name "
+        f"{ {name: view.batch_size for name, view in views.items()} }; clipping needs "
+        "every layer of one batch. Reap one backward pass of one batch loss.")
+  (batch_size,) = batch_sizes
+  total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
+  norms = jnp.sqrt(total)
+  factors = clip_factors(norms, l2_norm_clip)
+  tied = _ghost.check_tied(api, records, tied)
+  layers = {name: _clipped_layer(records[name], factors, name in tied)
+            for name in squares}
+  return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size)
+
+
+def _split_field(where: Any) -> tuple[str, str] | None:
+  if not isinstance(where, str) or "." not in where:
+    return None
+  name, field = where.rsplit(".", 1)
+  return (name, field) if field in ("w", "b") else None
+
+
+def to_param_tree(layers: dict[str, LayerParams], params: Any, where: Any) -> Any:
+  """Returns per-layer results placed into the structure of `params`.
+
+  Args:
+    layers: per record name, a `LayerParams` (`ClippedGrads.layers`, or
+      `sum_grad_squared`'s result).
+    params: the parameter tree; only its structure and shapes are used.
+    where: a tree with the structure of `params` whose leaves say where each
+      parameter's value comes from: `"NAME.w"` (the weight of record `NAME`) or
+      `"NAME.b"` (its bias), or `None` for a parameter no layer record covers
+      (which is an error: DP-SGD must clip every parameter's gradient).
+
+  Returns:
+    A tree with the structure of `params`.
+
+  Raises:
+    ValueError: listing, by tree path, every parameter with no or a wrong source
+      (uncovered, unknown name, shape mismatch), and every layer result that no
+      parameter takes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> params = {"fc": {"kernel": jnp.ones((1, 1)), "bias": jnp.zeros(1)}}
+    >>> loss = lambda p, x: jnp.sum(gl.dense(x, p["fc"]["kernel"], p["fc"]["bias"], name="fc"))
+    >>> x = jnp.array([[0.75], [0.0]])  # norms 1.25 and 1: clip factors 0.8 and 1
+    >>> clipped = gl.clipped_grads(gl.reap(jax.grad(loss))(params, x), l2_norm_clip=1.0,
+    ...                            reduction="sum")
+    >>> where = {"fc": {"kernel": "fc.w", "bias": "fc.b"}}
+    >>> gl.to_param_tree(clipped.layers, params, where)["fc"]["bias"]
+    Array([1.8], dtype=float32)
+  """
+  api = "to_param_tree"
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  sources, where_def = jax.tree.flatten(where, is_leaf=lambda v: v is None)
+  if where_def != treedef:
+    raise ValueError(
+        f"{api}: `where` has the structure {where_def} but `params` has {treedef}. Give "
+        "`where` the structure of the parameters, with a string 'NAME.w' or 'NAME.b' "
+        "(or None) for each parameter, e.g. jax.tree_util.tree_map_with_path(...).")
+  out, bad, used = [], [], set()
+  for (path, param), source in zip(leaves, sources):
+    where_str = jax.tree_util.keystr(path)
+    split = _split_field(source)
+    value = None
+    if source is None:
+      bad.append(f"{where_str} is not covered by any layer record (mark the layer that "
+                 "uses it with gl.dense, gl.conv2d, gl.embed or gl.layer_norm)")
+    elif split is None:
+      bad.append(f"{where_str}: {source!r} is not of the form 'NAME.w' or 'NAME.b'")
+    elif split[0] not in layers:
+      bad.append(f"{where_str}: {split[0]!r} is not among the layers {sorted(layers)}")
+    else:
+      value = getattr(layers[split[0]], split[1])
+      if value is None:
+        bad.append(f"{where_str}: layer {split[0]!r} has no bias")
+      elif jnp.shape(value) != jnp.shape(param):
+        bad.append(f"{where_str}: {source} has shape {jnp.shape(value)} but the "
+                   f"parameter has {jnp.shape(param)}")
+      used.add(split)
+    out.append(value)
+  unused = [f"{name}.{field}" for name, layer in layers.items() for field in ("w", "b")
+            if getattr(layer, field) is not None and (name, field) not in used]
+  if unused:
+    bad.append(f"the layer results {unused} are placed nowhere (give them a parameter "
+               "in `where`, or leave the layer out of `names`)")
+  if bad:
+    raise ValueError(f"{api}: " + "; ".join(bad) + ".")
+  return jax.tree.unflatten(treedef, out)
