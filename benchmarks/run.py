@@ -255,10 +255,10 @@ def side_by_side(paths: list[pathlib.Path]) -> str:
   """The ratios of several runs (JAX versions, devices) in one table, from their JSON."""
   runs = [json.loads(p.read_text()) for p in paths]
   names = [p.stem for p in paths]
-  rows: dict[tuple, dict[str, dict]] = {}
-  for name, run in zip(names, runs):
+  rows: dict[tuple, dict[str, dict]] = {}  # Keyed without the baseline: a spread's
+  for name, run in zip(names, runs):       # baseline text holds that run's ratios.
     for c in run["comparisons"]:
-      rows.setdefault((c["workload"], c["what"], c["baseline"], c["target"]), {})[name] = c
+      rows.setdefault((c["workload"], c["what"], c["target"]), {})[name] = c
   def cell(c):
     if c is None:
       return "-"
@@ -283,7 +283,9 @@ def side_by_side(paths: list[pathlib.Path]) -> str:
       "| # | variant | vs | target | " + " | ".join(names) + " |",
       "|---|---|---|---|" + "---|" * len(names),
   ]
-  for (number, what, baseline, target), by_run in sorted(rows.items(), key=lambda i: i[0][0]):
+  for (number, what, target), by_run in sorted(rows.items(), key=lambda i: i[0][0]):
+    baselines = {c["baseline"] for c in by_run.values()}
+    baseline = baselines.pop() if len(baselines) == 1 else "(each run's own)"
     out.append(f"| {number} | {what} | {baseline} | {target or '-'} | "
                + " | ".join(cell(by_run.get(n)) for n in names) + " |")
   return "\n".join(out) + "\n"
