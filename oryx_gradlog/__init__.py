@@ -9,32 +9,32 @@ any function that runs a backward pass through them:
     {'y': Array([0.28224], dtype=float32)}
 """
 
-from oryx_gradlog import _compat
+from oryx_gradlog.record import _compat
 
 _compat.check_supported()
 
-from oryx_gradlog import _oryx_rules  # noqa: F401  (installs Oryx rules)
-from oryx_gradlog._accounting import (
+from oryx_gradlog.record import _oryx_rules  # noqa: F401  (installs Oryx rules)
+from oryx_gradlog.analyses._accounting import (
     dp_epsilon,
     dp_noise_multiplier,
 )
-from oryx_gradlog._clip import (
+from oryx_gradlog.analyses._clip import (
     ClippedGrads,
     clipped_grads,
     to_param_tree,
 )
-from oryx_gradlog._curvature import (
+from oryx_gradlog.analyses._curvature import (
     KFACFactors,
     LayerParams,
     gradient_variance,
     kfac_factors,
     sum_grad_squared,
 )
-from oryx_gradlog._ghost import (
+from oryx_gradlog.analyses._ghost import (
     PerExampleNorms,
     per_example_norms,
 )
-from oryx_gradlog._layers import (
+from oryx_gradlog.record._layers import (
     LayerInputs,
     conv2d,
     dense,
@@ -42,21 +42,21 @@ from oryx_gradlog._layers import (
     embed,
     layer_norm,
 )
-from oryx_gradlog._moving_average import (
+from oryx_gradlog.statistics._moving_average import (
     MovingAverage,
     moving_average,
 )
-from oryx_gradlog._nan import (
+from oryx_gradlog.analyses._nan import (
     NonFiniteReport,
     find_nonfinite,
     raise_if_nonfinite,
 )
-from oryx_gradlog._noise import (
+from oryx_gradlog.analyses._noise import (
     GradientNoise,
     NoiseScale,
     gradient_noise_scale,
 )
-from oryx_gradlog._privacy import (
+from oryx_gradlog.analyses._privacy import (
     DPNoiseState,
     DPNoiseTransform,
     PoissonBatch,
@@ -64,33 +64,33 @@ from oryx_gradlog._privacy import (
     dp_noise,
     poisson_batch,
 )
-from oryx_gradlog._reap import (
+from oryx_gradlog.record._reap import (
     call_and_reap,
     reap,
 )
-from oryx_gradlog._record import (
+from oryx_gradlog.record._record import (
     VJPRecord,
     record_vjp,
     tap,
 )
-from oryx_gradlog._report import report
-from oryx_gradlog._running import (
+from oryx_gradlog.storage._report import report
+from oryx_gradlog.statistics._running import (
     RunningStats,
     StatisticsTransform,
     running_statistics,
 )
-from oryx_gradlog._sites import DEFAULT_TAG
-from oryx_gradlog._store import (
+from oryx_gradlog.record._sites import DEFAULT_TAG
+from oryx_gradlog.storage._store import (
     RunLog,
     open_run,
 )
-from oryx_gradlog._summaries import (
+from oryx_gradlog.statistics._summaries import (
     Logged,
     Summary,
     magnitude_bins,
     summarize,
 )
-from oryx_gradlog._tensorboard import export_tensorboard
+from oryx_gradlog.storage._tensorboard import export_tensorboard
 
 __version__ = "0.1.0"
 

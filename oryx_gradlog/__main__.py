@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
   board.add_argument("--logdir", default=None, help="default RUN_DIR/tensorboard")
   args = parser.parse_args(argv)
 
-  from oryx_gradlog import _report, _tensorboard  # pylint: disable=import-outside-toplevel
+  from oryx_gradlog.storage import _report, _tensorboard  # pylint: disable=import-outside-toplevel
   try:
     if args.command == "report":
       print(_report.report(args.run_dir, args.out))

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import oryx_gradlog as gl
-from oryx_gradlog import _compat
+from oryx_gradlog.record import _compat
 
 
 def test_all_is_the_documented_api():

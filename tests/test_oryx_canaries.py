@@ -64,8 +64,8 @@ def _run_with_oryx_rules(code):
       from jax import lax
       from oryx.core import reap, sow
       from oryx.core.interpreters import harvest
-      from oryx_gradlog import _oryx_rules
-      from oryx_gradlog._internals import cond_p, scan_p
+      from oryx_gradlog.record import _oryx_rules
+      from oryx_gradlog.record._internals import cond_p, scan_p
       harvest.reap_custom_rules[scan_p] = _oryx_rules._oryx_scan_rule
       harvest.reap_custom_rules[cond_p] = _oryx_rules._oryx_cond_rule
   """)

@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 
-from oryx_gradlog._report import _STATS, _reduce, summary_groups
-from oryx_gradlog._store import _require, open_run
+from oryx_gradlog.storage._report import _STATS, _reduce, summary_groups
+from oryx_gradlog.storage._store import _require, open_run
 
 
 def export_tensorboard(run_dir: str | os.PathLike, logdir: str | os.PathLike | None = None

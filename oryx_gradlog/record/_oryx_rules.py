@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog._internals import (
+from oryx_gradlog.record._internals import (
     UnspecifiedValue,
     cond_p,
     harvest,

@@ -39,8 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog import _ghost
-from oryx_gradlog._layers import EMBED, HIGHEST, Positions
+from oryx_gradlog.analyses import _ghost
+from oryx_gradlog.record._layers import EMBED, HIGHEST, Positions
 
 
 @functools.partial(

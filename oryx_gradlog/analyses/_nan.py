@@ -53,8 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oryx_gradlog import _layers
-from oryx_gradlog._record import VJPRecord
+from oryx_gradlog.record import _layers
+from oryx_gradlog.record._record import VJPRecord
 
 COTANGENT, INPUTS, OUTPUT = "cotangent", "inputs", "output"
 _DESCRIBE_PART = {

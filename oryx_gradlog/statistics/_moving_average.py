@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog._running import StatisticsTransform, debias
+from oryx_gradlog.statistics._running import StatisticsTransform, debias
 
 
 @functools.partial(

@@ -26,8 +26,8 @@ from typing import Any
 
 import jax
 
-from oryx_gradlog import _sites
-from oryx_gradlog._sites import DEFAULT_TAG
+from oryx_gradlog.record import _sites
+from oryx_gradlog.record._sites import DEFAULT_TAG
 
 
 @functools.partial(

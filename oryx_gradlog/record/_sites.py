@@ -49,8 +49,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog import _internals
-from oryx_gradlog._internals import NOT_MAPPED, Primitive, ad, batching, mlir, sow
+from oryx_gradlog.record import _internals
+from oryx_gradlog.record._internals import NOT_MAPPED, Primitive, ad, batching, mlir, sow
 
 DEFAULT_TAG = "vjp"
 

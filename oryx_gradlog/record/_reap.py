@@ -46,10 +46,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog import _flax_nnx, _sites
-from oryx_gradlog._internals import harvest, take_current_trace
-from oryx_gradlog._record import VJPRecord
-from oryx_gradlog._sites import DEFAULT_TAG
+from oryx_gradlog.record import _flax_nnx, _sites
+from oryx_gradlog.record._internals import harvest, take_current_trace
+from oryx_gradlog.record._record import VJPRecord
+from oryx_gradlog.record._sites import DEFAULT_TAG
 
 
 @dataclasses.dataclass

@@ -64,8 +64,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog._record import VJPRecord, record_vjp
-from oryx_gradlog._sites import DEFAULT_TAG
+from oryx_gradlog.record._record import VJPRecord, record_vjp
+from oryx_gradlog.record._sites import DEFAULT_TAG
 
 DENSE, CONV2D, EMBED, LAYER_NORM = "dense", "conv2d", "embed", "layer_norm"
 # The rank of the weight of each kind of layer; a record's weight has more axes

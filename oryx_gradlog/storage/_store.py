@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from oryx_gradlog._summaries import DEFAULT_BINS
+from oryx_gradlog.statistics._summaries import DEFAULT_BINS
 
 STORE_NAME = "log.zarr"
 _STOP, _FLUSH = object(), object()

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from oryx_gradlog._store import _require, open_run
+from oryx_gradlog.storage._store import _require, open_run
 
 _STATS = ("norm", "mean", "variance", "min", "max", "nonfinite")
 

@@ -55,8 +55,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog import _layers
-from oryx_gradlog._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM, Positions
+from oryx_gradlog.record import _layers
+from oryx_gradlog.record._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM, Positions
 
 GRAM, MATERIALIZED = "gram", "materialized"
 _METHODS = ("auto", GRAM, MATERIALIZED)

@@ -46,9 +46,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog import _ghost, _layers
-from oryx_gradlog._curvature import LayerParams
-from oryx_gradlog._layers import CONV2D, LayerInputs
+from oryx_gradlog.analyses import _ghost
+from oryx_gradlog.record import _layers
+from oryx_gradlog.analyses._curvature import LayerParams
+from oryx_gradlog.record._layers import CONV2D, LayerInputs
 
 
 @functools.partial(

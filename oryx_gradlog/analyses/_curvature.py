@@ -57,8 +57,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog import _ghost, _layers
-from oryx_gradlog._layers import DENSE, HIGHEST, Positions
+from oryx_gradlog.analyses import _ghost
+from oryx_gradlog.record import _layers
+from oryx_gradlog.record._layers import DENSE, HIGHEST, Positions
 
 _APPROXIMATIONS = ("expand", "reduce")
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog._summaries import DEFAULT_BINS, magnitude_histogram
+from oryx_gradlog.statistics._summaries import DEFAULT_BINS, magnitude_histogram
 
 
 @functools.partial(
