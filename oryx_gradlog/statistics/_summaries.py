@@ -7,12 +7,16 @@ computed by JAX next to the backward pass, so only these small arrays leave the
 device. `summarize` chooses per record name, by pattern, whether to keep the full
 record, its summary, or both.
 
-Cost: XLA on CPU turns a reduction with an elementwise producer into a scalar loop
-and never merges sibling reductions, so each statistic written as its own
-`jnp` reduction is a pass over the record. `summarize_leaf` makes one pass: a
-single variadic `lax.reduce` over chunks of at most 255 entries computes the sum,
-sum of squares, min, max and the histogram, whose bins are packed four to an
-int32 counter (8 bits each, enough for a chunk). It masks nothing, and reads the
+Cost: XLA on CPU (JAX 0.5) turns a reduction with an elementwise producer into a
+scalar loop and never merges sibling reductions, so each statistic written as its
+own `jnp` reduction is a pass over the record. `summarize_leaf` reads the record in
+two variadic `lax.reduce`s over chunks of at most 255 entries: one computes the
+sum, sum of squares, min and max, the other the histogram, whose bins are packed
+four to an int32 counter (8 bits each, enough for a chunk), unpacked with one
+array op. (Newer XLA, JAX 0.10, compiles one reduction of float and packed int
+operands together four times slower than the two apart, and a variadic reduction
+of the four statistics slower than four plain ones; see benchmarks/RESULTS.md.)
+It masks nothing, and reads the
 variance as `E[x^2] - mean^2`; a `lax.cond` redoes the summary with masks and a
 centred second pass only when that could be wrong (a non-finite entry, or a mean
 large against the spread). With the default power-of-two edges the bin is read
@@ -171,9 +175,12 @@ def _bin_counters(index: jax.Array, bins) -> tuple[list[jax.Array], Any]:
               for group in range(-(-count // per))]
 
   def unpack(sums):
-    fields = [lax.shift_right_logical(total, jnp.int32(width * field)) & (2**width - 1)
-              if width < 32 else total for total in sums for field in range(per)]
-    return jnp.stack(fields[:count], -1)
+    # One array op, not one per bin: newer XLA on CPU runs each bin's shift-and-mask
+    # as a kernel of its own, which costs more than the tiny work they do.
+    packed = jnp.stack(sums, -1)[..., None]
+    shifts = jnp.arange(per, dtype=jnp.int32) * width
+    fields = jnp.right_shift(packed, shifts) & (2**width - 1) if width < 32 else packed
+    return fields.reshape(fields.shape[:-2] + (-1,))[..., :count]
 
   return counters, unpack
 
@@ -227,15 +234,14 @@ def _summarize(entries, bins, masked=False) -> tuple[Summary, jax.Array]:
   operands = [(values, 0.0, jnp.add), (values * values, 0.0, jnp.add),
               (mask(chunks, jnp.inf), jnp.inf, jnp.minimum),
               (mask(chunks, -jnp.inf), -jnp.inf, jnp.maximum)]
-  operands += [(counter, 0, jnp.add) for counter in counters]
   if masked:
     operands.append((finite.astype(jnp.int32), 0, jnp.add))
-  # First pass: per chunk. Then the chunks, a small array.
+  # First pass: per chunk, the statistics in one reduction and the bin counters in
+  # another (newer XLA on CPU compiles one reduction of both kinds of operand, float
+  # and packed int, four times slower than the two). Then the chunks, a small array.
   partials = _reduce_last(operands)
-  bin_sums = slice(4, 4 + len(counters))
-  histogram = None if bins is None else jnp.sum(unpack(partials[bin_sums]), -2)
-  # The same reductions over the chunks' results, again as one operation.
-  del partials[bin_sums], operands[bin_sums]
+  histogram = None if bins is None else jnp.sum(
+      unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters])), -2)
   total, sumsq, low, high, *count = _reduce_last(
       [(partial, init, combine) for partial, (_, init, combine) in zip(partials, operands)])
   count = count[0] if masked else jnp.full(total.shape, n, jnp.int32)
