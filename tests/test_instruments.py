@@ -1,0 +1,166 @@
+"""Training instruments against plain JAX: vmap(grad), eigh of jax.hessian, a quadratic."""
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oryx_gradlog as gl
+
+VARIANTS = {"eager": lambda f: f, "jit": jax.jit}
+B = 6
+
+
+def _model(reduction):
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"w1": jax.random.normal(keys[0], (3, 4)), "b1": 0.1 * jnp.ones(4),
+            "w2": jax.random.normal(keys[1], (4, 2)), "b2": jnp.zeros(2)}
+  x = jax.random.normal(keys[2], (B, 3))
+  y = jax.random.normal(keys[3], (B, 2))
+
+  def losses(p, x, y, dense):
+    h = jnp.tanh(dense(x, p["w1"], p["b1"], name="fc1"))
+    return jnp.sum((dense(h, p["w2"], p["b2"], name="fc2") - y) ** 2, -1)
+
+  reduce = jnp.mean if reduction == "mean" else jnp.sum
+  marked = lambda p, x, y: reduce(losses(p, x, y, gl.dense))
+  plain_dense = lambda x, w, b, name: x @ w + b
+  plain = lambda p, x, y: jnp.sum(losses(p, x[None], y[None], plain_dense))
+  return params, x, y, marked, plain
+
+
+def _per_example(plain, params, x, y):
+  grads = jax.vmap(jax.grad(plain), in_axes=(None, 0, 0))(params, x, y)
+  return grads, jnp.concatenate([g.reshape(B, -1) for g in jax.tree.leaves(grads)], 1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
+def test_batch_size_tests_match_vmap_grad(wrap, reduction):
+  params, x, y, marked, plain = _model(reduction)
+  # True computation: per-example gradients from vmap(grad).
+  _, g = _per_example(plain, params, x, y)
+  gbar = g.mean(0)
+  gsq, pairs = gbar @ gbar, B * (B - 1)
+  products = g @ gbar
+  norm = jnp.sqrt(jnp.sum((g - gbar) ** 2) / pairs) / jnp.sqrt(gsq)
+  inner = jnp.sqrt(jnp.sum((products - gsq) ** 2) / pairs) / gsq
+  ortho = jnp.sqrt(jnp.sum((g - jnp.outer(products / gsq, gbar)) ** 2) / pairs) / jnp.sqrt(gsq)
+  # Library computation.
+  tests = wrap(lambda p: gl.batch_size_tests(gl.reap(jax.grad(marked))(p, x, y),
+                                             reduction=reduction))(params)
+  # Comparison.
+  np.testing.assert_allclose(tests.norm_test, norm, rtol=1e-4)
+  np.testing.assert_allclose(tests.inner_product_test, inner, rtol=1e-4)
+  np.testing.assert_allclose(tests.orthogonality_test, ortho, rtol=1e-4)
+  np.testing.assert_allclose(tests.grad_norm, jnp.sqrt(gsq), rtol=1e-5)
+  assert tests.batch_size == B
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_snr_matches_vmap_grad(reduction):
+  params, x, y, marked, plain = _model(reduction)
+  grads, _ = _per_example(plain, params, x, y)
+  snr = gl.gradient_snr(gl.reap(jax.grad(marked))(params, x, y), reduction=reduction)
+  expected = jax.tree.map(lambda g: g.mean(0) ** 2 / g.var(0), grads)
+  for i in (1, 2):
+    np.testing.assert_allclose(snr.layers[f"fc{i}"].w, expected[f"w{i}"], rtol=2e-3)
+    np.testing.assert_allclose(snr.layers[f"fc{i}"].b, expected[f"b{i}"], rtol=2e-3)
+  means = [jnp.concatenate([expected[f"w{i}"].ravel(), expected[f"b{i}"]]).mean()
+           for i in (1, 2)]
+  np.testing.assert_allclose(snr.mean, np.mean(means), rtol=2e-3)
+
+
+def test_batch_of_one_is_an_error():
+  params, x, y, marked, _ = _model("mean")
+  with pytest.raises(ValueError, match="batch size of at least 2"):
+    gl.batch_size_tests(gl.reap(jax.grad(marked))(params, x[:1], y[:1]))
+
+
+def test_curvature_matches_eigh_and_trace_of_the_dense_hessian():
+  params, x, y, _, plain = _model("mean")
+  loss = lambda p: jnp.mean(jax.vmap(plain, in_axes=(None, 0, 0))(p, x, y))
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  hessian = jax.hessian(lambda v: loss(unravel(v)))(flat)
+  eigenvalues = jnp.linalg.eigh(hessian)[0]
+  top = eigenvalues[jnp.argmax(jnp.abs(eigenvalues))]
+  value = jax.jit(lambda p: gl.hessian_max_eigenvalue(
+      lambda p, x: loss(p), p, x, key=jax.random.PRNGKey(1), num_products=200))(params)
+  np.testing.assert_allclose(value, top, rtol=1e-3)
+  n = 4000
+  trace = gl.hessian_trace(loss, params, key=jax.random.PRNGKey(2), num_products=n)
+  off = hessian - jnp.diag(jnp.diag(hessian))
+  std = jnp.sqrt(2 * jnp.sum(off ** 2) / n)  # Hutchinson's standard deviation.
+  assert abs(float(trace - jnp.trace(hessian))) < 5 * float(std)
+  with pytest.raises(ValueError, match="num_products must be a positive integer"):
+    gl.hessian_trace(loss, params, key=jax.random.PRNGKey(0), num_products=0)
+
+
+def test_alpha_on_a_quadratic_matches_its_definition():
+  a = jnp.array([[3.0, 1.0], [1.0, 2.0]])
+  f = lambda w: 0.5 * w @ a @ w + jnp.array([1.0, -1.0]) @ w
+  w0 = jnp.array([1.0, 2.0])
+  for lr in (0.05, 0.2, 0.3, 0.5):
+    d = -lr * jax.grad(f)(w0)
+    # True computation: the minimum of f(w0 + t d) is at t* = -<grad, d> / d^T H d.
+    t_star = -(jax.grad(f)(w0) @ d) / (d @ jax.hessian(f)(w0) @ d)
+    expected = 1 / t_star - 1
+    alpha = gl.step_alpha(f(w0), jax.grad(f)(w0) @ d, f(w0 + d), jax.grad(f)(w0 + d) @ d)
+    np.testing.assert_allclose(alpha, expected, rtol=1e-4, atol=1e-5)
+  assert jnp.isnan(gl.step_alpha(0.0, -1.0, -2.0, -3.0))  # concave: no minimum
+
+
+def test_training_instruments_economy_in_a_jitted_loop():
+  x = jnp.array([[1.0, 0.0], [0.0, 2.0], [2.0, 0.0]])  # Hessian diag(5, 4) / 3
+  marked = lambda w: jnp.mean(0.5 * jnp.sum(gl.dense(x, w, name="fc") ** 2, -1))
+  plain = lambda w: jnp.mean(0.5 * jnp.sum((x @ w) ** 2, -1))
+  w0 = jnp.array([[1.0], [1.0]])
+  instruments = gl.training_instruments("full", curvature_every=2, num_products=50)
+  state = instruments.init(w0)
+
+  @jax.jit
+  def step(state, w):
+    (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(w)
+    updates = -0.3 * grads
+    readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
+                                         updates=updates, hessian_loss=plain)
+    return readings, state, w + updates
+
+  w = w0
+  history = []
+  for _ in range(3):
+    before = w
+    readings, state, w = step(state, w)
+    history.append((before, readings))
+  hessian = jax.hessian(lambda v: plain(v.reshape(2, 1)))(w0.ravel())
+  assert len(readings) == 11 and step._cache_size() == 1  # no retrace
+  np.testing.assert_allclose(readings["hessian_trace"], jnp.trace(hessian), rtol=1e-4)
+  np.testing.assert_allclose(readings["hessian_max_eigenvalue"],
+                             jnp.linalg.eigh(hessian)[0][-1], rtol=1e-4)
+  # alpha at step 2 is that of step 1's update, by its definition on this quadratic.
+  w1, w2 = history[1][0], history[2][0]
+  d = (w2 - w1).ravel()
+  g1 = jax.grad(plain)(w1).ravel()
+  expected = -(d @ hessian @ d) / (g1 @ d) - 1
+  np.testing.assert_allclose(history[2][1]["alpha"], expected, rtol=1e-4)
+  assert jnp.isnan(history[0][1]["alpha"])
+  np.testing.assert_allclose(readings["distance"], jnp.linalg.norm(w2 - w0), rtol=1e-5)
+  np.testing.assert_allclose(readings["update_size"], jnp.linalg.norm(w - w2), rtol=1e-5)
+  np.testing.assert_allclose(readings["grad_norm"], jnp.linalg.norm(jax.grad(plain)(w2)),
+                             rtol=1e-5)
+  np.testing.assert_allclose(readings["loss"], plain(w2), rtol=1e-6)
+
+
+def test_presets_and_bad_arguments():
+  assert set(gl.training_instruments("economy").init(jnp.ones(1)).curvature) == set()
+  with pytest.raises(ValueError, match="the presets are"):
+    gl.training_instruments("first class")
+  with pytest.raises(ValueError, match="is not an instrument"):
+    gl.training_instruments(("norm_test", "tic"))
+  instruments = gl.training_instruments("business")
+  marked = lambda w: jnp.mean(gl.dense(jnp.ones((2, 1)), w, name="fc") ** 2)
+  (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(jnp.ones((1, 1)))
+  with pytest.raises(ValueError, match="need hessian_loss"):
+    instruments.update(instruments.init(jnp.ones((1, 1))), records, loss=value, grads=grads,
+                       params=jnp.ones((1, 1)), updates=grads)
