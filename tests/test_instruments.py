@@ -164,3 +164,18 @@ def test_presets_and_bad_arguments():
   with pytest.raises(ValueError, match="need hessian_loss"):
     instruments.update(instruments.init(jnp.ones((1, 1))), records, loss=value, grads=grads,
                        params=jnp.ones((1, 1)), updates=grads)
+
+
+def test_report_draws_the_dashboard_from_logged_readings(tmp_path):
+  pytest.importorskip("matplotlib")
+  pytest.importorskip("zarr")
+  readings = {"norm_test": jnp.float32(0.5), "alpha": jnp.float32(jnp.nan),
+              "hessian_trace": jnp.float32(2.0)}
+  with gl.RunLog(tmp_path / "run") as log:
+    for step in range(3):
+      log.append(step, {"instruments": {**readings, "norm_test": jnp.float32(step)}})
+  page = gl.report(tmp_path / "run", progress=False)
+  assert page.endswith("dashboard.html")
+  text = open(page, encoding="utf-8").read()
+  assert "norm_test" in text and "hessian_trace" in text and "<td>2</td>" in text
+  assert (tmp_path / "run" / "report" / "instruments.png").exists()
