@@ -1,5 +1,7 @@
 """Training instruments against plain JAX: vmap(grad), eigh of jax.hessian, a quadratic."""
 
+import functools
+
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
@@ -179,3 +181,22 @@ def test_report_draws_the_dashboard_from_logged_readings(tmp_path):
   text = open(page, encoding="utf-8").read()
   assert "norm_test" in text and "hessian_trace" in text and "<td>2</td>" in text
   assert (tmp_path / "run" / "report" / "instruments.png").exists()
+
+
+def test_the_state_survives_a_step_that_donates_params_and_state():
+  instruments = gl.training_instruments("economy")
+  marked = lambda w: jnp.mean(gl.dense(jnp.array([[1.0], [3.0]]), w, name="fc") ** 2)
+  w = jnp.ones((1, 1))
+  state = instruments.init(w)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(w, state):
+    (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(w)
+    readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
+                                         updates=-0.05 * grads)
+    return w - 0.05 * grads, state, readings
+
+  for _ in range(3):
+    w, state, readings = step(w, state)
+  # f(w) = 5 w^2 from w0 = 1 with steps of 0.5 w: w = 0.5^k, distance 1 - 0.25.
+  np.testing.assert_allclose(readings["distance"], 0.75, rtol=1e-6)

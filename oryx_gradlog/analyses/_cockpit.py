@@ -152,15 +152,16 @@ def training_instruments(
   wants_alpha, wants_distance = "alpha" in instruments, "distance" in instruments
 
   def init(params, key=None):
-    zero = jnp.zeros((), jnp.float32)
+    zero = lambda: jnp.zeros((), jnp.float32)  # One buffer each: states get donated.
     if curvature and key is None:
       key = jax.random.PRNGKey(0)
     return InstrumentsState(
         step=jnp.zeros((), jnp.int32),
-        initial=jax.tree.map(jnp.asarray, params) if wants_distance else None,
+        # A copy: the step may donate `params`, which must not delete `initial`.
+        initial=jax.tree.map(jnp.copy, params) if wants_distance else None,
         previous_update=(jax.tree.map(jnp.zeros_like, params) if wants_alpha else None),
-        previous_loss=zero if wants_alpha else None,
-        previous_slope=zero if wants_alpha else None,
+        previous_loss=zero() if wants_alpha else None,
+        previous_slope=zero() if wants_alpha else None,
         curvature={n: jnp.full((), jnp.nan, jnp.float32) for n in curvature},
         key=key if curvature else None)
 
