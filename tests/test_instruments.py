@@ -200,3 +200,45 @@ def test_the_state_survives_a_step_that_donates_params_and_state():
     w, state, readings = step(w, state)
   # f(w) = 5 w^2 from w0 = 1 with steps of 0.5 w: w = 0.5^k, distance 1 - 0.25.
   np.testing.assert_allclose(readings["distance"], 0.75, rtol=1e-6)
+
+
+def _every_layer_kind(p, ids, img, y):
+  """Embedding (repeated ids), layer norm, grouped strided conv2d, a dense layer applied
+  twice (tied), a scan over stacked dense layers, and a flax-style dot_general."""
+  e = gl.layer_norm(gl.embed(ids, p["emb"], name="emb"), p["ln_s"], p["ln_b"], name="ln")
+  c = gl.conv2d(img, p["cw"], p["cb"], name="conv", window_strides=(2, 1),
+                feature_group_count=2)
+  h = jnp.mean(e, 1) + jnp.mean(c, (1, 2))
+  for _ in range(2):
+    h = jnp.tanh(gl.dense(h, p["tw"], p["tb"], name="tied"))
+  h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(gl.dense(h, w, name="stack")), None), h, p["sw"])
+  dot = gl.dense_dot_general(name="dg")
+  out = dot(h, p["dw"], (((1,), (0,)), ((), ()))) + p["db"]
+  return jnp.sum((out - y) ** 2, -1)
+
+
+@pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
+def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap):
+  keys = iter(jax.random.split(jax.random.PRNGKey(3), 16))
+  normal = lambda shape: jax.random.normal(next(keys), shape)
+  p = {"emb": normal((7, 4)), "ln_s": normal((4,)), "ln_b": normal((4,)),
+       "cw": normal((3, 3, 1, 4)), "cb": normal((4,)), "tw": normal((4, 4)) / 2,
+       "tb": normal((4,)), "sw": normal((3, 4, 4)) / 2, "dw": normal((4, 3)),
+       "db": normal((3,))}
+  ids = jnp.array([[1, 1, 2], [3, 4, 3], [0, 6, 6], [5, 5, 5], [2, 1, 0]])
+  img, y = normal((5, 6, 5, 2)), normal((5, 3))
+  # True computation: per-example gradients from vmap(grad).
+  one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
+  grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)
+  g = jnp.concatenate([v.reshape(5, -1) for v in jax.tree.leaves(grads)], 1)
+  gbar, pairs = g.mean(0), 5 * 4
+  products = g @ gbar
+  inner = jnp.sqrt(jnp.sum((products - gbar @ gbar) ** 2) / pairs) / (gbar @ gbar)
+  norm = jnp.sqrt(jnp.sum((g - gbar) ** 2) / pairs) / jnp.linalg.norm(gbar)
+  # Library computation.
+  batch_loss = lambda p: jnp.mean(_every_layer_kind(p, ids, img, y))
+  tests = wrap(lambda p: gl.batch_size_tests(gl.reap(jax.grad(batch_loss))(p),
+                                             tied=("tied",)))(p)
+  # Comparison.
+  np.testing.assert_allclose(tests.inner_product_test, inner, rtol=1e-3)
+  np.testing.assert_allclose(tests.norm_test, norm, rtol=1e-3)
