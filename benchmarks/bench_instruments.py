@@ -142,7 +142,7 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
            "Where the economy step's time goes (measured one instrument at a time on "
            "this model, CPU): the three batch-size tests about 1.3x (one jvp matmul per "
            "layer, `B d_in d_out`, for the per-example inner products with the batch "
-           "gradient, on top of the ghost norms), alpha about 1.3x and distance about "
+           "gradient, on top of the ghost norms), alpha about 1.2x and distance about "
            "1.1x (a params-sized previous update and initial parameters kept in the "
            "state and written out each step; the initial parameters are copied unless "
            "the step donates the state), loss, grad_norm and update_size about 1.0x."]

@@ -70,5 +70,9 @@ def update_size(update: Any) -> jax.Array:
 
 
 def directional_derivative(grads: Any, update: Any) -> jax.Array:
-  """`<grads, update>` over the leaves of two pytrees of one structure."""
-  return sum(jnp.vdot(g, u) for g, u in zip(jax.tree.leaves(grads), jax.tree.leaves(update)))
+  """`<grads, update>` over the leaves of two pytrees of one structure.
+
+  A sum of products (not `jnp.vdot`, a dot of its own), so that XLA can fuse it with
+  the update's other element-wise work.
+  """
+  return sum(jnp.sum(g * u) for g, u in zip(jax.tree.leaves(grads), jax.tree.leaves(update)))
