@@ -242,3 +242,12 @@ def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap):
   # Comparison.
   np.testing.assert_allclose(tests.inner_product_test, inner, rtol=1e-3)
   np.testing.assert_allclose(tests.norm_test, norm, rtol=1e-3)
+
+
+def test_curvature_of_a_loss_with_marked_layers_equals_the_plain_one():
+  x = jnp.array([[1.0, 2.0], [0.5, -1.0]])
+  marked = lambda w: jnp.sum(jnp.tanh(gl.dense(x, w, name="fc")) ** 2)
+  plain = lambda w: jnp.sum(jnp.tanh(x @ w) ** 2)
+  w, key = jnp.array([[0.3, -0.2], [0.1, 0.4]]), jax.random.PRNGKey(4)
+  np.testing.assert_allclose(gl.hessian_trace(marked, w, key=key, num_products=3),
+                             gl.hessian_trace(plain, w, key=key, num_products=3), rtol=1e-5)

@@ -27,7 +27,7 @@ Sharp edges:
   * `grad_norm` and the alpha slopes use `grads` (every parameter); the tests and
     the GSNR use the marked layers of `records` only.
   * The curvature instruments need `hessian_loss`, the batch loss as a function of
-    the parameters alone, without recorded layers (see `hessian_trace`).
+    the parameters alone (see `hessian_trace`).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def training_instruments(
         raise ValueError(
             f"training_instruments.update: the instruments {curvature} need "
             "hessian_loss, the batch loss as a function of the parameters, e.g. "
-            "hessian_loss=lambda p: plain_loss(p, x, y) (without recorded layers).")
+            "hessian_loss=lambda p: loss(p, x, y).")
       key, use = jax.random.split(state.key)
       measured = lax.cond(state.step % curvature_every == 0,
                           lambda: measure_curvature(hessian_loss, params, use),

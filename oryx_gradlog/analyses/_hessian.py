@@ -17,9 +17,8 @@ Sharp edges:
   * Power iteration finds the eigenvalue of largest magnitude; when that one is
     negative the result is negative. It converges at the rate `|l2 / l1|`: with
     close top eigenvalues, give it more products.
-  * `fun` must be twice differentiable: the products need forward mode through its
-    gradient, so a `custom_vjp` inside it (e.g. a recorded layer) is an error; pass
-    the unmarked loss.
+  * `fun` is differentiated twice (forward over reverse), outside any reap: layers
+    marked inside it (`gl.dense`, ...) record nothing there, and cost nothing.
 """
 
 from __future__ import annotations
