@@ -6,8 +6,11 @@ digits with optax's Adam. Every step, inside the jitted step, we record the
 cotangent of each layer's output per example, summarize it on the device (norm,
 mean, variance, min, max, non-finite count, magnitude histogram; per example), and
 hand summaries and the full cotangents to a `RunLog` that writes them to zarr off the
-training thread. At the end we write the report (PNG plots and an HTML page) and
-check the last step's records against plain JAX.
+training thread. The layers are marked with `gl.dense` too, so that Cockpit's
+economy instruments (`gl.training_instruments("economy")`: batch-size tests, alpha,
+update size, distance) are read from the same backward pass and logged each step.
+At the end we write the report (PNG plots, an HTML page and the instruments
+dashboard) and check the last step's records and instruments against plain JAX.
 
 Run: python examples/08_digits_training.py [--steps 300] [--run-dir runs/digits]
      (or: make demo)
@@ -47,8 +50,11 @@ def forward(params, x, perturb=None):
   """Logits; `perturb` (plain-JAX reference only) adds zeros to each layer's output."""
   h = x
   for i, layer in enumerate(params):
-    z = quantize(h) @ quantize(layer["w"]) + layer["b"]
-    z = z + perturb[i] if perturb is not None else gl.tap(z, name=f"layer{i + 1}")
+    if perturb is not None:
+      z = quantize(h) @ quantize(layer["w"]) + layer["b"] + perturb[i]
+    else:  # A dense-layer record (for the instruments) and a tap of its output.
+      z = gl.dense(quantize(h), quantize(layer["w"]), layer["b"], name=f"fc{i + 1}")
+      z = gl.tap(z, name=f"layer{i + 1}")
     h = jnp.tanh(z) if i < len(params) - 1 else z
   return h
 
@@ -58,14 +64,19 @@ def loss_fn(params, x, y, perturb=None):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_step(optimizer):
+def make_step(optimizer, instruments):
   @jax.jit
-  def step(params, opt_state, x, y):
+  def step(params, opt_state, inst_state, x, y):
     (loss, grads), records = gl.call_and_reap(jax.value_and_grad(loss_fn))(params, x, y)
     updates, opt_state = optimizer.update(grads, opt_state, params)
+    readings, inst_state = instruments.update(
+        inst_state, records, loss=loss, grads=grads, params=params, updates=updates)
+    taps = {name: v for name, v in records.items() if name.startswith("layer")}
     # Summaries per example of every layer; the full cotangents too (they are small).
-    logged = gl.summarize(records, full="*", summary="*", keep_axes=1)
-    return optax.apply_updates(params, updates), opt_state, loss, logged, records
+    logged = gl.summarize(taps, full="*", summary="*", keep_axes=1)
+    logged = {**logged, "instruments": readings}
+    return (optax.apply_updates(params, updates), opt_state, inst_state, loss, logged,
+            taps)
   return step
 
 
@@ -83,7 +94,9 @@ def main(argv=None):
   params = init_params(jax.random.PRNGKey(0))
   optimizer = optax.adam(3e-3)
   opt_state = optimizer.init(params)
-  step = make_step(optimizer)
+  instruments = gl.training_instruments("economy")
+  inst_state = instruments.init(params)
+  step = make_step(optimizer, instruments)
   rng = np.random.default_rng(0)
 
   shutil.rmtree(args.run_dir, ignore_errors=True)
@@ -95,7 +108,8 @@ def main(argv=None):
       batch = rng.choice(len(x_all), BATCH, replace=False)
       x, y = x_all[batch], y_all[batch]
       before = params
-      params, opt_state, loss, logged, records = step(params, opt_state, x, y)
+      params, opt_state, inst_state, loss, logged, records = step(
+          params, opt_state, inst_state, x, y)
       log.append(i, logged)
       if i % 50 == 0 or i == steps - 1:
         print(f"step {i:4d}  loss {float(loss):.4f}  |dL/dz| per layer: " + "  ".join(
@@ -105,7 +119,7 @@ def main(argv=None):
   print(f"trained {steps} steps in {time.perf_counter() - start:.1f} s; train accuracy "
         f"{accuracy:.3f}; {committed} steps logged to {args.run_dir}")
   page = gl.report(args.run_dir, progress=False)
-  print(f"report: {page}")
+  print(f"report: {page} and {os.path.join(os.path.dirname(page), 'dashboard.html')}")
 
   # Check: the last step's records against the perturbation reference (plain JAX).
   zeros = [jnp.zeros((BATCH, n)) for n in WIDTHS[1:]]
@@ -117,7 +131,15 @@ def main(argv=None):
   np.testing.assert_allclose(run["layer3.full"].values[-1], expected[2], rtol=1e-5, atol=1e-7)
   norms = np.linalg.norm(np.asarray(expected[0]), axis=1)
   np.testing.assert_allclose(run["layer1.summary.norm"].values[-1], norms, rtol=1e-5)
-  print(f"check: last step's records and the store equal plain JAX ({steps} steps logged)")
+  # The norm test of the last step against per-example gradients from vmap(grad).
+  per_example = jax.vmap(jax.grad(loss_fn), in_axes=(None, 0, 0))(before, x[:, None], y[:, None])
+  flat = jnp.concatenate([g.reshape(BATCH, -1) for g in jax.tree.leaves(per_example)], 1)
+  mean = flat.mean(0)
+  norm_test = jnp.sqrt(jnp.sum((flat - mean) ** 2) / (BATCH * (BATCH - 1))) / jnp.linalg.norm(mean)
+  np.testing.assert_allclose(run["instruments.norm_test"].values[-1], norm_test, rtol=1e-3)
+  assert os.path.exists(os.path.join(os.path.dirname(page), "dashboard.html"))
+  print(f"check: last step's records, norm test and the store equal plain JAX ({steps} "
+        "steps logged)")
 
 
 if __name__ == "__main__":

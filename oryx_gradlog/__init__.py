@@ -23,6 +23,11 @@ from oryx_gradlog.analyses._clip import (
     clipped_grads,
     to_param_tree,
 )
+from oryx_gradlog.analyses._cockpit import (
+    InstrumentsState,
+    InstrumentsTransform,
+    training_instruments,
+)
 from oryx_gradlog.analyses._curvature import (
     KFACFactors,
     LayerParams,
@@ -33,6 +38,20 @@ from oryx_gradlog.analyses._curvature import (
 from oryx_gradlog.analyses._ghost import (
     PerExampleNorms,
     per_example_norms,
+)
+from oryx_gradlog.analyses._hessian import (
+    hessian_max_eigenvalue,
+    hessian_trace,
+)
+from oryx_gradlog.analyses._instruments import (
+    BatchSizeTests,
+    GradientSNR,
+    batch_size_tests,
+    gradient_snr,
+)
+from oryx_gradlog.analyses._step_quality import (
+    step_alpha,
+    update_size,
 )
 from oryx_gradlog.record._layers import (
     LayerInputs,
@@ -95,11 +114,15 @@ from oryx_gradlog.storage._tensorboard import export_tensorboard
 __version__ = "0.1.0"
 
 __all__ = (
+    "BatchSizeTests",
     "ClippedGrads",
     "DEFAULT_TAG",
     "DPNoiseState",
     "DPNoiseTransform",
     "GradientNoise",
+    "GradientSNR",
+    "InstrumentsState",
+    "InstrumentsTransform",
     "KFACFactors",
     "LayerInputs",
     "LayerParams",
@@ -115,6 +138,7 @@ __all__ = (
     "Summary",
     "VJPRecord",
     "add_dp_noise",
+    "batch_size_tests",
     "call_and_reap",
     "clipped_grads",
     "conv2d",
@@ -127,7 +151,10 @@ __all__ = (
     "export_tensorboard",
     "find_nonfinite",
     "gradient_noise_scale",
+    "gradient_snr",
     "gradient_variance",
+    "hessian_max_eigenvalue",
+    "hessian_trace",
     "kfac_factors",
     "layer_norm",
     "magnitude_bins",
@@ -140,8 +167,11 @@ __all__ = (
     "record_vjp",
     "report",
     "running_statistics",
+    "step_alpha",
     "sum_grad_squared",
     "summarize",
     "tap",
     "to_param_tree",
+    "training_instruments",
+    "update_size",
 )

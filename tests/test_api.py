@@ -9,7 +9,7 @@ from oryx_gradlog.record import _compat
 
 
 def test_all_is_the_documented_api():
-  assert sorted(gl.__all__) == [
+  assert sorted(gl.__all__) == sorted([
       "ClippedGrads", "DEFAULT_TAG", "DPNoiseState", "DPNoiseTransform", "GradientNoise",
       "KFACFactors", "LayerInputs", "LayerParams", "Logged", "MovingAverage", "NoiseScale",
       "NonFiniteReport", "PerExampleNorms", "PoissonBatch", "RunLog", "RunningStats",
@@ -19,7 +19,11 @@ def test_all_is_the_documented_api():
       "gradient_noise_scale", "gradient_variance", "kfac_factors", "layer_norm",
       "magnitude_bins", "moving_average", "open_run", "per_example_norms", "poisson_batch",
       "raise_if_nonfinite", "reap", "record_vjp", "report", "running_statistics",
-      "sum_grad_squared", "summarize", "tap", "to_param_tree"]
+      "sum_grad_squared", "summarize", "tap", "to_param_tree",
+      # Training instruments (issue 13).
+      "BatchSizeTests", "GradientSNR", "InstrumentsState", "InstrumentsTransform",
+      "batch_size_tests", "gradient_snr", "hessian_max_eigenvalue", "hessian_trace",
+      "step_alpha", "training_instruments", "update_size"])
   assert gl.DEFAULT_TAG == "vjp"
 
 

@@ -98,6 +98,48 @@ def _layer_function(layer: LayerInputs, lead: int):
   return apply
 
 
+def _record_function(record):
+  """`((w, b) -> the recorded layer's output, calls)`, vmapped over the call axes."""
+  layer = record.primals[0]
+  calls = _layers.call_axes(record)
+  # The example axis follows the call axes; for a conv2d applied per example under a
+  # vmap, the vmapped axes come before the conv's own four.
+  lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
+  apply = _layer_function(layer, lead)
+  for _ in range(calls):
+    apply = jax.vmap(apply)
+  return (lambda w, b: apply(w, b, layer.x)), calls
+
+
+def _per_example(factors, g, calls):
+  """`factors` (B,) shaped to multiply `g`, whose example axis follows the calls."""
+  shape = [1] * g.ndim
+  shape[calls] = -1
+  return factors.reshape(shape).astype(g.dtype)
+
+
+def per_example_inner_products(record, direction: LayerParams, tied) -> jax.Array:
+  """`(B,)`: per example, `<dL/dy_i, J v>` with `J` the layer's Jacobian in (w, b).
+
+  The layer is linear in its parameters, so this is the inner product of the
+  example's gradient (of the recorded loss) with `direction` (a `LayerParams` shaped
+  like the layer's parameters, with the call axes, or without for a tied layer).
+  """
+  layer, g = record.primals[0], record.out_cotangent
+  function, calls = _record_function(record)
+  w, b = direction.w, direction.b
+  if tied:
+    w = jnp.broadcast_to(w, layer.w.shape)
+    b = None if b is None or layer.b is None else jnp.broadcast_to(b, layer.b.shape)
+  has_b = layer.b is not None
+  _, tangent = jax.jvp(function, (layer.w, layer.b),
+                       (w.astype(layer.w.dtype), b if has_b else None))
+  if layer.b is None and layer.options.get("bias", False):  # dense_dot_general's bias.
+    tangent = tangent + b.reshape(b.shape[:-1] + (1,) * (g.ndim - b.ndim) + b.shape[-1:])
+  products = g * tangent
+  return jnp.sum(jnp.moveaxis(products, calls, 0).reshape(g.shape[calls], -1), axis=1)
+
+
 def _clipped_layer(record, factors, tied) -> LayerParams:
   """The clipped gradient of one layer record: its vjp at the cotangent `c g`.
 
@@ -105,18 +147,10 @@ def _clipped_layer(record, factors, tied) -> LayerParams:
   the one vjp gives the clipped sum (sum loss) or the clipped mean (mean loss).
   """
   layer, g = record.primals[0], record.out_cotangent
-  calls = _layers.call_axes(record)
-  # The example axis follows the call axes; for a conv2d applied per example under a
-  # vmap, the vmapped axes come before the conv's own four.
-  lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
-  shape = [1] * g.ndim
-  shape[calls] = -1
-  cotangent = factors.reshape(shape).astype(g.dtype) * g
-  apply = _layer_function(layer, lead)
-  for _ in range(calls):
-    apply = jax.vmap(apply)
+  function, calls = _record_function(record)
+  cotangent = _per_example(factors, g, calls) * g
   b = layer.b
-  _, vjp = jax.vjp(lambda w, b: apply(w, b, layer.x), layer.w, b)
+  _, vjp = jax.vjp(function, layer.w, b)
   w_grad, b_grad = vjp(cotangent)
   if b is None and layer.options.get("bias", False):  # dense_dot_general's bias.
     b_grad = jnp.sum(cotangent, axis=tuple(range(calls, cotangent.ndim - 1)))

@@ -10,7 +10,11 @@ into `run_dir/report/`:
 * `per_example.png`: per-example norm quantiles (5/25/50/75/95 %) over steps, for
   records whose summaries kept an `example` dim;
 * `nonfinite.png`: counts of NaN/inf entries over steps;
-* `index.html`: all of the above and a table of the last step.
+* `index.html`: all of the above and a table of the last step;
+* `dashboard.html` and `instruments.png`, when the run logged training instruments
+  (`gl.training_instruments` readings appended under `"instruments"`): one panel per
+  instrument over steps, grouped as Cockpit's dashboard is (step size, gradients,
+  curvature), and the last step's readings.
 
 `python -m oryx_gradlog report RUN_DIR` (or the console script `oryx-gradlog`) runs it.
 
@@ -18,6 +22,8 @@ Sharp edges:
   * Only summaries are plotted; full records stay in the store for your own analysis.
   * Leading dims other than `call` and `example` are averaged (norm) or summed
     (histogram, non-finite counts) in the plots.
+  * Instruments are the variables named `instruments.NAME`; NaN readings (alpha at
+    the first step, curvature before its first use) are gaps in the lines.
 """
 
 from __future__ import annotations
@@ -31,6 +37,16 @@ import numpy as np
 from oryx_gradlog.storage._store import _require, open_run
 
 _STATS = ("norm", "mean", "variance", "min", "max", "nonfinite")
+INSTRUMENTS = "instruments."
+# Cockpit's dashboard groups: (title, instruments, log scale, reference line).
+_PANELS = (
+    ("Step size", (("alpha", False, 0.0), ("update_size", True, None),
+                   ("distance", True, None))),
+    ("Gradients", (("loss", False, None), ("grad_norm", True, None),
+                   ("norm_test", True, 1.0), ("inner_product_test", True, 1.0),
+                   ("orthogonality_test", True, 1.0), ("mean_gsnr", True, None))),
+    ("Curvature", (("hessian_trace", False, None), ("hessian_max_eigenvalue", False, None))),
+)
 
 
 def summary_groups(names: Iterable[str]) -> list[str]:
@@ -60,7 +76,8 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
     progress: show a progress bar while reading.
 
   Returns:
-    The path of `index.html`.
+    The path of `index.html` (of `dashboard.html` for a run that logged only
+    instruments).
   """
   matplotlib = _require("matplotlib", "report")
   matplotlib.use("Agg")
@@ -71,10 +88,14 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
   out_dir = os.fspath(out_dir or os.path.join(os.fspath(run_dir), "report"))
   os.makedirs(out_dir, exist_ok=True)
   groups = summary_groups(dataset.data_vars)
+  dashboard = dashboard_page(dataset, run_dir, out_dir, plt)
+  if not groups and dashboard:
+    return dashboard
   if not groups:
     raise ValueError(
         f"report({os.fspath(run_dir)!r}): the run has no summaries (variables P.norm and "
-        "P.histogram). Log gl.summarize(records) with RunLog.append to get a report.")
+        "P.histogram) and no instruments (instruments.NAME). Log gl.summarize(records) or "
+        "gl.training_instruments readings with RunLog.append to get a report.")
   steps = dataset["step"].values
   edges = np.asarray(dataset.attrs.get("magnitude_bins", []), dtype=np.float64)
   data = {}
@@ -152,13 +173,68 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
         f"<h1>Gradient report: {html.escape(os.fspath(run_dir))}</h1>"
         f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}), records: "
         f"{html.escape(', '.join(sorted({_record_name(g) for g in groups})))}.</p>"
-        f"<p>config: {config}</p>"
+        f"<p>config: {config}</p>" +
+        ("<p><a href='dashboard.html'>Training instruments dashboard</a></p>"
+         if dashboard else "") +
         f"<h2>Last step ({steps[-1]})</h2><table><tr><th>summary</th>" +
         "".join(f"<th>{stat}</th>" for stat in _STATS) + "</tr>" + "".join(rows) +
         "</table>" +
         "".join(f"<h2>{html.escape(name)}</h2><img src='{html.escape(name)}' width='100%'>"
                 for name in images) +
         "</body></html>")
+  return page
+
+
+def dashboard_page(dataset, run_dir, out_dir: str, plt) -> str | None:
+  """Writes `instruments.png` and `dashboard.html` if the run logged instruments.
+
+  Returns:
+    The path of `dashboard.html`, or `None` when the run has no `instruments.*`.
+  """
+  logged = {name[len(INSTRUMENTS):]: np.asarray(dataset[name].values, np.float64)
+            for name in dataset.data_vars if name.startswith(INSTRUMENTS)}
+  if not logged:
+    return None
+  steps = dataset["step"].values
+  known = {name for _, panel in _PANELS for name, _, _ in panel}
+  panels = [(title, [p for p in panel if p[0] in logged]) for title, panel in _PANELS]
+  panels.append(("Other", [(n, False, None) for n in sorted(logged) if n not in known]))
+  panels = [(title, panel) for title, panel in panels if panel]
+  columns = max(len(panel) for _, panel in panels)
+  fig, axes = plt.subplots(len(panels), columns, squeeze=False,
+                           figsize=(3.6 * columns, 2.8 * len(panels)))
+  for row, (title, panel) in enumerate(panels):
+    for col in range(columns):
+      ax = axes[row, col]
+      if col >= len(panel):
+        ax.axis("off")
+        continue
+      name, log, line = panel[col]
+      values = logged[name].reshape(len(steps), -1).mean(axis=1)
+      ax.plot(steps, values, marker="." if np.sum(np.isfinite(values)) < 20 else None)
+      if line is not None:
+        ax.axhline(line, color="grey", linestyle="--", linewidth=1)
+      if log and np.all(values[np.isfinite(values)] > 0):
+        ax.set_yscale("log")
+      ax.set(title=f"{title}: {name}", xlabel="step")
+  image = _save(fig, out_dir, "instruments.png", plt)
+  last = {name: values.reshape(len(steps), -1)[-1].mean() for name, values in logged.items()}
+  page = os.path.join(out_dir, "dashboard.html")
+  with open(page, "w", encoding="utf-8") as f:
+    f.write(
+        "<!doctype html><html><head><meta charset='utf-8'><title>oryx_gradlog dashboard"
+        "</title><style>body{font-family:sans-serif;max-width:80em;margin:auto}"
+        "td,th{padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>"
+        "</head><body>"
+        f"<h1>Training instruments: {html.escape(os.fspath(run_dir))}</h1>"
+        f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}). Batch-size tests below 1 "
+        "(dashed) say the batch is large enough; alpha 0 is a step to the minimum of the "
+        "local quadratic, -1 no progress, 1 an overshoot to the same loss. "
+        "<a href='index.html'>Gradient report</a></p>"
+        f"<h2>Last step ({steps[-1]})</h2><table><tr><th>instrument</th><th>value</th></tr>" +
+        "".join(f"<tr><td>{html.escape(n)}</td><td>{v:.4g}</td></tr>"
+                for n, v in sorted(last.items())) +
+        f"</table><img src='{image}' width='100%'></body></html>")
   return page
 
 

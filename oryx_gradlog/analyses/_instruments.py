@@ -1,0 +1,232 @@
+"""Batch-size tests and gradient signal-to-noise from one backward pass's records.
+
+Cockpit (Schneider, Dangel and Hennig 2021) draws these "instruments" from BackPACK's
+per-example quantities. Here they come from the layer records of the ordinary
+backward pass, with no per-example gradient formed: per-example squared norms the
+ghost way (`per_example_norms`), and per-example inner products with the batch
+gradient `gbar = (1/B) sum_j grad_j` as `<grad_i, v> = <g_i, J_i v>` (a `jax.jvp` of
+the very layer function whose vjp `clipped_grads` takes, at `v = gbar`, which is that
+vjp at the unclipped cotangent). With `n_i = |grad_i|^2`, `d_i = <grad_i, gbar>`:
+
+* norm test (Byrd et al. 2012): `sqrt(sum_i |grad_i - gbar|^2 / (B (B-1))) / |gbar|`,
+  with `sum_i |grad_i - gbar|^2 = sum_i n_i - B |gbar|^2`;
+* inner-product test (Bollapragada et al. 2018):
+  `sqrt(sum_i (d_i - |gbar|^2)^2 / (B (B-1))) / |gbar|^2`;
+* orthogonality test (Bollapragada et al. 2018):
+  `sqrt(sum_i |grad_i - (d_i / |gbar|^2) gbar|^2 / (B (B-1))) / |gbar|`, with the
+  squared norm `n_i - d_i^2 / |gbar|^2`.
+
+A test below its threshold `theta` (Cockpit draws 1) says the batch is large enough
+for the step; above it, the batch gradient is too noisy.
+
+* gradient signal-to-noise (Liu et al. 2020, GSNR) per parameter:
+  `mean_i(grad_i)^2 / var_i(grad_i)`, from `gradient_variance` and the batch gradient;
+  its mean over each layer's parameters, and the mean of those over layers.
+
+Sharp edges:
+  * Only the marked layers count (as for `per_example_norms`); the GSNR is for dense
+    layers only (as `gradient_variance`).
+  * `var_i` is the population variance (divided by `B`); a parameter whose gradient
+    is the same for every example has an infinite GSNR, and one whose gradient is
+    zero for every example has GSNR 0.
+  * A batch of one has no tests: it is an error. `|gbar| = 0` gives inf or NaN.
+  * Call them on the records as the reap returns them, inside any vmap or scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from oryx_gradlog.analyses import _clip, _curvature, _ghost
+from oryx_gradlog.analyses._curvature import LayerParams
+from oryx_gradlog.record import _layers
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["norm_test", "inner_product_test", "orthogonality_test", "grad_norm"],
+    meta_fields=["batch_size"],
+)
+@dataclasses.dataclass(frozen=True)
+class BatchSizeTests:
+  """The three batch-size tests of one batch (below 1: the batch is large enough).
+
+  Attributes:
+    norm_test: Byrd et al. (2012)'s norm test.
+    inner_product_test: Bollapragada et al. (2018)'s inner-product test.
+    orthogonality_test: Bollapragada et al. (2018)'s orthogonality test.
+    grad_norm: `|gbar|`, the norm of the batch's mean gradient (marked layers).
+    batch_size: `B` (static).
+  """
+
+  norm_test: jax.Array
+  inner_product_test: jax.Array
+  orthogonality_test: jax.Array
+  grad_norm: jax.Array
+  batch_size: int
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["layers", "layer_means", "mean"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class GradientSNR:
+  """Gradient signal-to-noise ratio (GSNR) per parameter, per layer and overall.
+
+  Attributes:
+    layers: per record name, the GSNR of each parameter (a `LayerParams`).
+    layer_means: per record name, the mean GSNR over that layer's parameters.
+    mean: the mean of `layer_means` over the layers.
+  """
+
+  layers: dict[str, LayerParams]
+  layer_means: dict[str, jax.Array]
+  mean: jax.Array
+
+
+def _one_batch_size(api, views) -> int:
+  batch_sizes = {view.batch_size for view in views.values()}
+  if len(batch_sizes) != 1 or min(batch_sizes) < 2:
+    raise ValueError(
+        f"{api}: the layer records have batch sizes "
+        f"{ {name: view.batch_size for name, view in views.items()} }; the tests need one "
+        "batch size of at least 2 for all the layers analysed. Reap one backward pass of "
+        "one batch loss.")
+  return batch_sizes.pop()
+
+
+def mean_gradient(record, *, reduction: str, batch_size: int, tied: bool) -> LayerParams:
+  """`gbar = (1/B) sum_i grad_i` of one layer record: its vjp at the recorded `g`."""
+  total = _clip._clipped_layer(record, jnp.ones(batch_size), tied)  # pylint: disable=protected-access
+  scale = _ghost.loss_scale(reduction, batch_size) / batch_size
+  return jax.tree.map(lambda v: scale * v, total)
+
+
+def per_example_moments(
+    api: str, records: dict[str, Any], *, reduction: str, names, tied, method,
+) -> tuple[jax.Array, jax.Array, int]:
+  """`(n, d, B)`: per example `|grad_i|^2` and `<grad_i, gbar>` over the layers."""
+  squares, _, views = _ghost.squared_norms(
+      api, records, reduction=reduction, names=names, tied=tied, method=method,
+      kinds=_ghost.NORM_KINDS)
+  batch_size = _one_batch_size(api, views)
+  tied = _ghost.check_tied(api, records, tied)
+  squared = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
+  scale = _ghost.loss_scale(reduction, batch_size)
+  products = 0.0
+  for name in squares:
+    gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch_size,
+                         tied=name in tied)
+    products = products + scale * _clip.per_example_inner_products(
+        records[name], gbar, name in tied)
+  return squared, products, batch_size
+
+
+def batch_size_tests(
+    records: dict[str, Any],
+    *,
+    reduction: str = "mean",
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+    method: str = "auto",
+) -> BatchSizeTests:
+  """Returns the norm, inner-product and orthogonality tests of one batch.
+
+  From the layer records of one ordinary backward pass of the batch loss (see the
+  module docstring for the formulas); no per-example gradient is formed.
+
+  Args:
+    records: the dict that `gl.reap` / `gl.call_and_reap` returns.
+    reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
+    names: the layer records to use (default: every layer record).
+    tied: names whose calls share one weight (see `per_example_norms`).
+    method: how per-example norms are computed (see `per_example_norms`).
+
+  Returns:
+    A `BatchSizeTests` of scalars.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.mean(gl.dense(x, w, name="fc"))
+    >>> x = jnp.array([[1.0], [3.0]])  # grad_i = x_i: mean 2, deviations -1 and 1
+    >>> tests = gl.batch_size_tests(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x))
+    >>> tests.norm_test  # sqrt((1 + 1) / (2 * 1)) / 2
+    Array(0.5, dtype=float32)
+  """
+  squared, products, batch = per_example_moments(
+      "batch_size_tests", records, reduction=reduction, names=names, tied=tied,
+      method=method)
+  gbar_sq = jnp.mean(products)  # <gbar, gbar> = (1/B) sum_i <grad_i, gbar>.
+  pairs = batch * (batch - 1)
+  deviations = jnp.maximum(jnp.sum(squared) - batch * gbar_sq, 0.0)
+  orthogonal = jnp.maximum(squared - products * products / gbar_sq, 0.0)
+  grad_norm = jnp.sqrt(gbar_sq)
+  return BatchSizeTests(
+      norm_test=jnp.sqrt(deviations / pairs) / grad_norm,
+      inner_product_test=jnp.sqrt(jnp.sum((products - gbar_sq) ** 2) / pairs) / gbar_sq,
+      orthogonality_test=jnp.sqrt(jnp.sum(orthogonal) / pairs) / grad_norm,
+      grad_norm=grad_norm,
+      batch_size=batch,
+  )
+
+
+def _ratio(signal, noise):
+  """`signal / noise`, 0 where both are 0."""
+  return jnp.where((signal == 0) & (noise == 0), 0.0, signal / noise)
+
+
+def gradient_snr(
+    records: dict[str, Any],
+    *,
+    reduction: str = "mean",
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+    chunk_size: int | None = None,
+) -> GradientSNR:
+  """Returns the gradient signal-to-noise ratio of each dense-layer parameter.
+
+  `mean_i(grad_i)^2 / var_i(grad_i)` per parameter (Liu et al. 2020), with the
+  variance of `gradient_variance` and the mean gradient from the same records.
+
+  Args:
+    records: the dict that `gl.reap` / `gl.call_and_reap` returns.
+    reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
+    names: the dense-layer records to use (default: all of them).
+    tied: names whose calls share one weight.
+    chunk_size: as for `sum_grad_squared`.
+
+  Returns:
+    A `GradientSNR`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.mean(gl.dense(x, w, name="fc"))
+    >>> x = jnp.array([[1.0], [3.0]])  # grad_i = x_i: mean 2, variance 1
+    >>> gl.gradient_snr(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x)).mean
+    Array(4., dtype=float32)
+  """
+  api = "gradient_snr"
+  variances = _curvature.gradient_variance(
+      records, reduction=reduction, names=names, tied=tied, chunk_size=chunk_size)
+  tied = _ghost.check_tied(api, records, tied)
+  layers, layer_means = {}, {}
+  for name, variance in variances.items():
+    batch = records[name].out_cotangent.shape[_layers.call_axes(records[name])]
+    gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch,
+                         tied=name in tied)
+    snr = jax.tree.map(lambda m, v: _ratio(m * m, v), gbar, variance)
+    leaves = jax.tree.leaves(snr)
+    layers[name] = snr
+    layer_means[name] = sum(jnp.sum(v) for v in leaves) / sum(v.size for v in leaves)
+  if not layer_means:
+    raise ValueError(f"{api}: no dense-layer records among {sorted(records)}; mark the "
+                     "layers with gl.dense or gl.dense_dot_general.")
+  return GradientSNR(layers, layer_means, jnp.mean(jnp.stack(list(layer_means.values()))))
