@@ -137,7 +137,12 @@ def _assert_same_final_state(out, reference):
                                atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+SLOW = pytest.mark.skipif(
+    not os.environ.get("GRADLOG_SLOW_TESTS"),
+    reason="4 processes take ~2 minutes on 2 cores; set GRADLOG_SLOW_TESTS=1 to run")
+
+
+@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=SLOW)])
 def test_processes_log_one_run_equal_to_one_process(processes, tmp_path_factory):
   root = tmp_path_factory.getbasetemp()
   run_dir = tmp_path_factory.mktemp(f"p{processes}") / "run"
@@ -150,13 +155,9 @@ def test_processes_log_one_run_equal_to_one_process(processes, tmp_path_factory)
   # process) per chunk of 4 steps, each written by the process holding the shard.
   chunks = list((run_dir / "log.zarr" / "h" / "c").rglob("*"))
   assert len([c for c in chunks if c.is_file()]) == 2 * processes * STEPS // 4
-
-
-def test_report_and_tensorboard_read_a_many_process_run(tmp_path_factory):
-  run_dir = tmp_path_factory.mktemp("p2report") / "run"
-  _check_ran(*_launch(2, run_dir, timeout=120))
+  # The report and the TensorBoard export read it like any run.
   page = gl.report(run_dir, progress=False)
-  assert "h" in pathlib.Path(page).read_text(encoding="utf-8")
+  assert "src='norms.png'" in pathlib.Path(page).read_text(encoding="utf-8")
   if importlib.util.find_spec("tensorboardX"):
     assert os.listdir(gl.export_tensorboard(run_dir))
 
