@@ -43,6 +43,7 @@ import bench_disk_stream
 import bench_dp
 import bench_full_records
 import bench_host_callback
+import bench_multihost
 import bench_running_stats
 import bench_scaling
 import bench_summaries
@@ -59,6 +60,7 @@ WORKLOADS = {
     7: bench_scaling,
     8: bench_disk_stream,
     9: bench_dp,
+    11: bench_multihost,
 }
 TARGETS = {
     1: "full records <= 1.10 x plain grad",
