@@ -180,3 +180,12 @@ def test_sigkill_of_one_process_keeps_committed_steps_and_resume_finishes(tmp_pa
   assert f"start {committed}" in outputs[0]
   _assert_same_run(run_dir, reference_dir, STEPS)
   _assert_same_final_state(f"{run_dir}.final", final)
+
+
+def test_a_many_process_run_resumed_by_one_process_is_a_clear_error(tmp_path):
+  with gl.RunLog(tmp_path) as log:
+    log.append(0, {"x": np.float32(0)})
+  zarr = pytest.importorskip("zarr")
+  zarr.open_group(str(tmp_path / "log.zarr"), mode="r+").attrs["processes"] = 2
+  with pytest.raises(ValueError, match="written by 2 processes; resume it with as many"):
+    gl.RunLog(tmp_path, resume=True)

@@ -37,8 +37,8 @@ Sharp edges:
   * `config` is checked to be JSON-serialisable before anything touches the disk.
 
 Many processes (JAX's multi-controller runtime, `jax.process_count() > 1`): every
-process makes a `RunLog` on the same `run_dir` (a shared file system, or any store
-zarr opens by URL) and appends the same steps. Each process writes only the shards it
+process makes a `RunLog` on the same `run_dir` (on a file system every process
+sees) and appends the same steps. Each process writes only the shards it
 holds of each leaf (the `replica_id == 0` ones, so a replicated value is written once,
 by the process holding its first copy; a host value by process 0); each array is
 chunked like its leaf's shards, so no two processes ever write the same chunk file.
@@ -51,7 +51,7 @@ steps.
 
 Sharp edges (many processes):
   * Making a `RunLog` is a collective: every process must make it, with the same
-    arguments, in the same order as its other collectives (it holds two barriers).
+    arguments, in the same order as its other collectives (it runs two).
   * Every process appends the same steps, and only `when_full="block"` is allowed
     (a dropped step would differ between processes).
   * `flush()` and `committed_steps` count this process's written steps; `open_run`
@@ -238,7 +238,7 @@ class RunLog:
     if self._process == 0:
       try:
         self._root = zarr.open_group(store=path, mode="a")
-        self._committed = self._read_committed(path)
+        self._committed = self._read_committed()
         self._clean_after_committed()
         self._root.attrs.update(self._metadata(config, bins))
       except Exception as error:  # noqa: BLE001  (the others must not wait forever)
@@ -253,7 +253,7 @@ class RunLog:
           "says why and how to fix it.")
     if self._process != 0:
       self._root = zarr.open_group(store=path, mode="r+")
-      self._committed = self._read_committed(path)
+      self._committed = self._read_committed()
     self._marks = self._root[MARKS]
     self._capacity = _MANY_PROCESS_CAPACITY
 
@@ -280,7 +280,7 @@ class RunLog:
                                               array.fill_value, array.dtype)
     marks[:] = self._committed
 
-  def _read_committed(self, path) -> int:
+  def _read_committed(self) -> int:
     written_by = int(self._root.attrs.get("processes", self._processes))
     if "committed_steps" in self._root.attrs and written_by != self._processes:
       raise ValueError(
