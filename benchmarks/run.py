@@ -44,6 +44,7 @@ import bench_dp
 import bench_full_records
 import bench_host_callback
 import bench_instruments
+import bench_multihost
 import bench_running_stats
 import bench_scaling
 import bench_summaries
@@ -61,6 +62,7 @@ WORKLOADS = {
     8: bench_disk_stream,
     9: bench_dp,
     10: bench_instruments,
+    11: bench_multihost,
 }
 TARGETS = {
     1: "full records <= 1.10 x plain grad",

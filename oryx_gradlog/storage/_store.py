@@ -35,6 +35,33 @@ Sharp edges:
     decreasing or non-integer step is a `ValueError` at `append`, and the steps
     before it stay as they were. Gaps are fine (log every 10th step).
   * `config` is checked to be JSON-serialisable before anything touches the disk.
+
+Many processes (JAX's multi-controller runtime, `jax.process_count() > 1`): every
+process makes a `RunLog` on the same `run_dir` (on a file system every process
+sees) and appends the same steps. Each process writes only the shards it
+holds of each leaf (the `replica_id == 0` ones, so a replicated value is written once,
+by the process holding its first copy; a host value by process 0); each array is
+chunked like its leaf's shards, so no two processes ever write the same chunk file.
+Each process then advances its own mark in `_commit/steps` (one chunk per process),
+and the run's committed step count is the smallest mark: no collective runs in the
+writer thread, and a process killed at any point leaves every step that all
+processes wrote intact. Arrays are made large up front (never resized while the run
+goes on, so no process rewrites another's metadata); readers slice to the committed
+steps.
+
+Sharp edges (many processes):
+  * Making a `RunLog` is a collective: every process must make it, with the same
+    arguments, in the same order as its other collectives (it runs two).
+  * Every process appends the same steps, and only `when_full="block"` is allowed
+    (a dropped step would differ between processes).
+  * `flush()` and `committed_steps` count this process's written steps; `open_run`
+    sees the steps every process has written.
+  * A leaf's shards must tile it evenly (the array's chunks are one shard). A value
+    that differs between processes without being a global array (a local metric) is
+    saved as process 0 has it.
+  * `resume=True` needs the same number of processes as the run was started with.
+  * Plain zarr readers see arrays of 2**40 steps with only the committed ones
+    written: slice them to `min(group["_commit/steps"][:])`.
 """
 
 from __future__ import annotations
@@ -58,6 +85,8 @@ import numpy as np
 from oryx_gradlog.statistics._summaries import DEFAULT_BINS
 
 STORE_NAME = "log.zarr"
+MARKS = "_commit/steps"  # One committed-step mark per process, in many-process runs.
+_MANY_PROCESS_CAPACITY = 2**40  # Steps; chunks not written take no space.
 _STOP, _FLUSH = object(), object()
 
 
@@ -140,6 +169,13 @@ class RunLog:
     config = _checked_config(config, self.run_dir)
     _check_folder(self.run_dir)
     self._dims = dict(dims or {})
+    self._process, self._processes = jax.process_index(), jax.process_count()
+    if self._processes > 1 and when_full != "block":
+      raise ValueError(
+          f"RunLog({self.run_dir!r}, when_full={when_full!r}): in a run of "
+          f"{self._processes} processes a dropped step would differ between them. Use "
+          "when_full='block' (the default), or a larger queue_size.")
+    self._steps_per_chunk = steps_per_chunk
     path = os.path.join(self.run_dir, STORE_NAME)
     try:
       os.makedirs(self.run_dir, exist_ok=True)
@@ -147,29 +183,22 @@ class RunLog:
         raise FileExistsError(
             f"RunLog({self.run_dir!r}): the folder already holds a run. Pass resume=True to "
             "append to it, or choose a new run_dir.")
-      self._root = zarr.open_group(store=path, mode="a")
-      self._committed = int(self._root.attrs.get("committed_steps", 0))
-      self._truncate_to_committed()
-      self._root.attrs.update({
-          "committed_steps": self._committed,
-          "config": config or self._root.attrs.get("config", {}),
-          "versions": _versions(),
-          "started": self._root.attrs.get("started", _now()),
-          "dropped_steps": int(self._root.attrs.get("dropped_steps", 0)),
-          "magnitude_bins": [float(edge) for edge in bins],
-      })
+      if self._processes > 1:
+        self._open_many(zarr, path, config, bins)
+      else:
+        self._open_one(zarr, path, config, bins)
     except OSError as error:
       if isinstance(error, FileExistsError):
         raise
       raise OSError(
           f"RunLog({self.run_dir!r}): cannot write the run folder ({error}). Choose a "
           "writable run_dir.") from error
-    self.dropped = int(self._root.attrs["dropped_steps"])
-    self._steps_per_chunk = steps_per_chunk
-    self._layouts = {name: (array.shape[1:], array.dtype) for name, array in self._root.arrays()}
+    self.dropped = int(self._root.attrs.get("dropped_steps", 0))
+    self._layouts = {name: (array.shape[1:], array.dtype, array.chunks[1:])
+                     for name, array in self._root.arrays()}
     self._last_step = (int(self._root["step"][self._committed - 1])
                        if self._committed and "step" in self._root else None)
-    self._pending: list[dict[str, np.ndarray]] = []
+    self._pending: list[dict[str, Any]] = []
     self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
     self._when_full = when_full
     self._error: BaseException | None = None
@@ -177,6 +206,88 @@ class RunLog:
     self._writer = threading.Thread(target=self._write_loop, name="gradlog-writer",
                                     daemon=True)
     self._writer.start()
+
+  def _metadata(self, config, bins) -> dict[str, Any]:
+    return {
+        "committed_steps": self._committed,
+        "config": config or self._root.attrs.get("config", {}),
+        "versions": _versions(),
+        "started": self._root.attrs.get("started", _now()),
+        "dropped_steps": int(self._root.attrs.get("dropped_steps", 0)),
+        "magnitude_bins": [float(edge) for edge in bins],
+        "processes": self._processes,
+    }
+
+  def _open_one(self, zarr, path, config, bins) -> None:
+    self._root = zarr.open_group(store=path, mode="a")
+    if int(self._root.attrs.get("processes", 1)) != 1:
+      raise ValueError(
+          f"RunLog({self.run_dir!r}, resume=True): the run was written by "
+          f"{self._root.attrs['processes']} processes; resume it with as many.")
+    self._committed = int(self._root.attrs.get("committed_steps", 0))
+    self._truncate_to_committed()
+    self._root.attrs.update(self._metadata(config, bins))
+
+  def _open_many(self, zarr, path, config, bins) -> None:
+    """Process 0 makes (or cleans up) the store; the others open it after a barrier."""
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    barrier = f"oryx_gradlog.RunLog({path!r})"
+    multihost_utils.sync_global_devices(barrier + " checked")  # Before anyone creates.
+    failure = None
+    if self._process == 0:
+      try:
+        self._root = zarr.open_group(store=path, mode="a")
+        self._committed = self._read_committed()
+        self._clean_after_committed()
+        self._root.attrs.update(self._metadata(config, bins))
+      except Exception as error:  # noqa: BLE001  (the others must not wait forever)
+        failure = error
+    # The others learn whether process 0 made the store (a collective, like a barrier).
+    ok = multihost_utils.broadcast_one_to_all(np.int32(failure is None))
+    if failure is not None:
+      raise failure
+    if not int(ok):
+      raise RuntimeError(
+          f"RunLog({self.run_dir!r}): process 0 could not open the store; its error "
+          "says why and how to fix it.")
+    if self._process != 0:
+      self._root = zarr.open_group(store=path, mode="r+")
+      self._committed = self._read_committed()
+    self._marks = self._root[MARKS]
+    self._capacity = _MANY_PROCESS_CAPACITY
+
+  def _clean_after_committed(self) -> None:
+    """Resets every process's mark to the committed count; blanks steps written past it.
+
+    A process writes at most one chunk of staged steps past its own mark before it
+    advances the mark, so nothing past the largest mark plus one chunk was written.
+    Blanking keeps a leaf missing from the resumed steps at its fill value.
+    """
+    group = self._root.require_group(MARKS.split("/")[0])
+    marks = group.require_array(MARKS.split("/")[1], shape=(self._processes,), chunks=(1,),
+                                dtype=np.int64, fill_value=0)
+    if marks.shape != (self._processes,):
+      raise ValueError(
+          f"RunLog({self.run_dir!r}, resume=True): the run was written by "
+          f"{marks.shape[0]} processes, this one has {self._processes}. Resume with as "
+          "many, or log to a new run_dir.")
+    written = int(np.max(marks[:]))
+    for _, array in self._root.arrays():
+      if array.shape[0] > self._committed:
+        stop = min(array.shape[0], written + array.chunks[0])
+        array[self._committed:stop] = np.full((stop - self._committed, *array.shape[1:]),
+                                              array.fill_value, array.dtype)
+    marks[:] = self._committed
+
+  def _read_committed(self) -> int:
+    written_by = int(self._root.attrs.get("processes", self._processes))
+    if "committed_steps" in self._root.attrs and written_by != self._processes:
+      raise ValueError(
+          f"RunLog({self.run_dir!r}, resume=True): the run was written by {written_by} "
+          f"process(es), this one has {self._processes}; the arrays are chunked by "
+          "process. Resume with as many processes, or log to a new run_dir.")
+    return _committed_of(self._root) if "committed_steps" in self._root.attrs else 0
 
   # The training thread's side.
 
@@ -225,7 +336,10 @@ class RunLog:
     return number
 
   def flush(self) -> int:
-    """Writes every step appended so far and waits; returns the committed step count."""
+    """Writes every step appended so far and waits; returns the committed step count.
+
+    In a run of many processes, the count is of the steps this process has written.
+    """
     self._queue.put(_FLUSH)
     self._queue.join()
     self._raise_if_failed("flush")
@@ -243,7 +357,7 @@ class RunLog:
     self._closed = True
     self._queue.put(_STOP)
     self._writer.join()
-    if self._error is None:
+    if self._error is None and self._processes == 1:
       self._truncate_to_committed()  # Exact shapes for plain zarr readers.
       self._root.attrs["dropped_steps"] = self.dropped
     self._raise_if_failed("close")
@@ -294,22 +408,57 @@ class RunLog:
 
   def _stage(self, step: int, logged: Any) -> None:
     """Copies one step to the host and checks it; writes once a chunk of steps is full."""
-    leaves = {name: np.asarray(value)
-              for name, value in flatten_logged(jax.device_get(logged)).items()}
-    if "step" in leaves:
+    flat = flatten_logged(logged)
+    if "step" in flat:
       raise ValueError("RunLog.append: 'step' is reserved for the step axis; rename the leaf.")
-    leaves["step"] = np.asarray(step, np.int64)
-    for name, value in leaves.items():
-      known = self._layouts.setdefault(name, (value.shape, value.dtype))
-      if known != (value.shape, value.dtype):
+    flat["step"] = np.asarray(step, np.int64)
+    leaves, layouts = {}, {}
+    for name, value in flat.items():
+      leaves[name], layouts[name] = self._local_parts(name, value)
+    for name, (shape, dtype, chunk) in layouts.items():
+      known = self._layouts.setdefault(name, (shape, dtype, chunk))
+      if known[:2] != (shape, dtype):
         self._commit()  # Keep the good steps before the bad one.
         raise ValueError(
             f"RunLog.append: {name!r} changed from {known[1]}{list(known[0])} to "
-            f"{value.dtype}{list(value.shape)} at step {step}. Keep leaves fixed in shape "
+            f"{dtype}{list(shape)} at step {step}. Keep leaves fixed in shape "
             "and dtype, or log the new one under another name.")
+      if known[2] != chunk:
+        self._commit()
+        raise ValueError(
+            f"RunLog.append: {name!r} changed its sharding at step {step}: its shards "
+            f"were {list(known[2])}, now {list(chunk)}. Keep each logged leaf sharded "
+            "the same way every step, or log it under another name.")
     self._pending.append(leaves)
     if len(self._pending) == self._steps_per_chunk:
       self._commit()
+
+  def _local_parts(self, name: str, value: Any):
+    """Returns `({region: host array}, (shape, dtype, chunk))`: what this process writes.
+
+    A region is a tuple of `(start, stop)` per axis of the leaf. One process holds
+    the whole leaf (region: all of it); in a run of many processes, a global array's
+    `replica_id == 0` shards held here, or a host value on process 0.
+    """
+    if self._processes > 1 and isinstance(value, jax.Array) and not value.is_fully_addressable:
+      chunk = tuple(value.sharding.shard_shape(value.shape))
+      parts = {}
+      for shard in value.addressable_shards:
+        if shard.replica_id == 0:
+          region = tuple(index.indices(size)[:2]
+                         for index, size in zip(shard.index, value.shape, strict=True))
+          if tuple(stop - start for start, stop in region) != chunk:
+            raise ValueError(
+                f"RunLog.append: {name!r} of shape {list(value.shape)} is split into "
+                f"uneven shards ({shard.data.shape} at {region}, others {chunk}); each "
+                "process writes whole chunks of one shard. Pad the leaf so its sharded "
+                "axes divide evenly by the mesh axes, or log it replicated.")
+          parts[region] = np.asarray(shard.data)
+      return parts, (tuple(value.shape), np.dtype(value.dtype), chunk)
+    host = np.asarray(jax.device_get(value))
+    whole = tuple((0, size) for size in host.shape)
+    parts = {whole: host} if self._process == 0 else {}
+    return parts, (host.shape, host.dtype, host.shape)
 
   def _commit(self) -> None:
     """Writes the staged steps to every array, then advances `committed_steps`."""
@@ -320,19 +469,31 @@ class RunLog:
       self._capacity = max(2 * self._capacity, stop, 4 * self._steps_per_chunk)
       for _, array in self._root.arrays():
         array.resize((self._capacity, *array.shape[1:]))
-    for name, (shape, dtype) in self._layouts.items():
+    for name, (shape, dtype, chunk) in self._layouts.items():
       if name not in self._root:
-        dims = ["step"] if name == "step" else ["step", *self._leading_dims(name, len(shape))]
-        self._root.create_array(
-            name, shape=(self._capacity, *shape), chunks=(self._steps_per_chunk, *shape),
-            dtype=dtype, fill_value=-1 if name == "step" else _fill(dtype),
-            dimension_names=dims)
-      if any(name in leaves for leaves in self._pending):
-        fill = np.full(shape, self._root[name].fill_value, dtype)
-        self._root[name][start:stop] = np.stack(
-            [leaves.get(name, fill) for leaves in self._pending])  # Missing: fill value.
-    self._root.attrs["committed_steps"] = stop  # The commit point.
+        self._create_array(name, shape, dtype, chunk)
+      regions = sorted({region for leaves in self._pending for region in leaves.get(name, {})})
+      for region in regions:  # Missing from a step: the fill value.
+        fill = np.full([stop_ - start_ for start_, stop_ in region],
+                       self._root[name].fill_value, dtype)
+        self._root[name][(slice(start, stop), *(slice(*bounds) for bounds in region))] = (
+            np.stack([leaves.get(name, {}).get(region, fill) for leaves in self._pending]))
+    if self._processes > 1:
+      self._marks[self._process] = stop  # This process's commit point.
+    else:
+      self._root.attrs["committed_steps"] = stop  # The commit point.
     self._committed, self._pending = stop, []
+
+  def _create_array(self, name, shape, dtype, chunk) -> None:
+    dims = ["step"] if name == "step" else ["step", *self._leading_dims(name, len(shape))]
+    try:
+      self._root.create_array(
+          name, shape=(self._capacity, *shape), chunks=(self._steps_per_chunk, *chunk),
+          dtype=dtype, fill_value=-1 if name == "step" else _fill(dtype),
+          dimension_names=dims)
+    except Exception:  # Another process made it first (the same metadata): use it.
+      if self._processes == 1 or name not in self._root:
+        raise
 
   def _truncate_to_committed(self) -> None:
     for _, array in self._root.arrays():
@@ -384,6 +545,13 @@ def _now() -> str:
   return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
+def _committed_of(root) -> int:
+  """The run's committed steps: the smallest process mark, or the one process's count."""
+  if int(root.attrs.get("processes", 1)) > 1 and MARKS.split("/")[0] in root:
+    return int(np.min(root[MARKS][:]))
+  return int(root.attrs.get("committed_steps", 0))
+
+
 def open_run(run_dir: str | os.PathLike):
   """Opens a run as an `xarray.Dataset` of its committed steps, with its metadata.
 
@@ -396,7 +564,16 @@ def open_run(run_dir: str | os.PathLike):
   if not os.path.isdir(path):
     raise FileNotFoundError(f"open_run({os.fspath(run_dir)!r}): no run here ({path} is "
                             "missing). Pass the run_dir given to RunLog.")
+  zarr = _require("zarr", "open_run")
+  root = zarr.open_group(store=path, mode="r")
+  committed = _committed_of(root)
+  many = int(root.attrs.get("processes", 1)) > 1
+  if many:  # Arrays 2**40 steps long: index lazily (no dask), step coordinate cut first.
+    dataset = xarray.open_zarr(path, consolidated=False, chunks=None, drop_variables=["step"])
+    dataset = dataset.isel(step=slice(0, committed))
+    dataset.attrs["committed_steps"] = committed
+    steps = root["step"][:committed] if "step" in root else np.arange(committed)
+    return dataset.assign_coords(step=steps).load()
   dataset = xarray.open_zarr(path, consolidated=False)
-  committed = int(dataset.attrs.get("committed_steps", 0))
   dataset = dataset.isel(step=slice(0, committed))
   return dataset.assign_coords(step=dataset["step"].values) if "step" in dataset else dataset
