@@ -37,9 +37,14 @@ def _per_example(plain, params, x, y):
   return grads, jnp.concatenate([g.reshape(B, -1) for g in jax.tree.leaves(grads)], 1)
 
 
+# "gram": per-example inner products from Gram matrices; "materialized": from a jvp.
+METHODS = ["auto", "gram", "materialized"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
-def test_batch_size_tests_match_vmap_grad(wrap, reduction):
+def test_batch_size_tests_match_vmap_grad(wrap, reduction, method):
   params, x, y, marked, plain = _model(reduction)
   # True computation: per-example gradients from vmap(grad).
   _, g = _per_example(plain, params, x, y)
@@ -51,7 +56,7 @@ def test_batch_size_tests_match_vmap_grad(wrap, reduction):
   ortho = jnp.sqrt(jnp.sum((g - jnp.outer(products / gsq, gbar)) ** 2) / pairs) / jnp.sqrt(gsq)
   # Library computation.
   tests = wrap(lambda p: gl.batch_size_tests(gl.reap(jax.grad(marked))(p, x, y),
-                                             reduction=reduction))(params)
+                                             reduction=reduction, method=method))(params)
   # Comparison.
   np.testing.assert_allclose(tests.norm_test, norm, rtol=1e-4)
   np.testing.assert_allclose(tests.inner_product_test, inner, rtol=1e-4)
@@ -154,18 +159,73 @@ def test_training_instruments_economy_in_a_jitted_loop():
   np.testing.assert_allclose(readings["loss"], plain(w2), rtol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", ["traced", "static"])
+def test_every_k_steps_reads_the_instruments_on_read_steps_only(schedule):
+  x = jnp.array([[1.0, 0.0], [0.0, 2.0], [2.0, 0.0]])  # Hessian diag(5, 4) / 3
+  marked = lambda w: jnp.mean(0.5 * jnp.sum(gl.dense(x, w, name="fc") ** 2, -1))
+  plain = lambda w: jnp.mean(0.5 * jnp.sum((x @ w) ** 2, -1))
+  hessian = jax.hessian(lambda v: plain(v.reshape(2, 1)))(jnp.ones(2))
+  w0 = jnp.array([[1.0], [0.5]])
+  instruments = gl.training_instruments("economy", every=3)
+
+  @functools.partial(jax.jit, static_argnames="phase")
+  def step(state, w, phase=None):
+    (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(w)
+    updates = -0.3 * grads
+    readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
+                                         updates=updates, phase=phase)
+    return readings, state, w + updates
+
+  state, ws, history = instruments.init(w0), [w0], []
+  for t in range(7):
+    phase = instruments.phase(t) if schedule == "static" else None
+    readings, state, w = step(state, ws[-1], phase=phase)
+    ws.append(w)
+    history.append(readings)
+  # One program (traced schedule), or one per phase: read, skip, start.
+  assert step._cache_size() == (1 if schedule == "traced" else 3)
+  assert [instruments.phase(t) for t in range(7)] == [
+      "read", "skip", "start", "read", "skip", "start", "read"]
+  for t, readings in enumerate(history):
+    if t % 3:  # Between read steps: NaN.
+      assert all(jnp.isnan(v) for v in readings.values()), (t, readings)
+      continue
+    # Read steps, by definition in plain JAX.
+    w, grad = ws[t], jax.grad(plain)(ws[t])
+    np.testing.assert_allclose(readings["loss"], plain(w), rtol=1e-6)
+    np.testing.assert_allclose(readings["grad_norm"], jnp.linalg.norm(grad), rtol=1e-5)
+    np.testing.assert_allclose(readings["update_size"], jnp.linalg.norm(0.3 * grad), rtol=1e-5)
+    np.testing.assert_allclose(readings["distance"], jnp.linalg.norm(w - w0), rtol=1e-5,
+                               atol=1e-7)
+    if t == 0:
+      assert jnp.isnan(readings["alpha"])
+      continue
+    # alpha of the update from step t - 1 to t, on this quadratic.
+    d = (ws[t] - ws[t - 1]).ravel()
+    g = jax.grad(plain)(ws[t - 1]).ravel()
+    np.testing.assert_allclose(readings["alpha"], -(d @ hessian @ d) / (g @ d) - 1,
+                               rtol=1e-4)
+
+
 def test_presets_and_bad_arguments():
   assert set(gl.training_instruments("economy").init(jnp.ones(1)).curvature) == set()
   with pytest.raises(ValueError, match="the presets are"):
     gl.training_instruments("first class")
   with pytest.raises(ValueError, match="is not an instrument"):
     gl.training_instruments(("norm_test", "tic"))
+  for bad in (0, 1.5, True):
+    with pytest.raises(ValueError, match=r"every=.*positive integer"):
+      gl.training_instruments("economy", every=bad)
   instruments = gl.training_instruments("business")
   marked = lambda w: jnp.mean(gl.dense(jnp.ones((2, 1)), w, name="fc") ** 2)
   (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(jnp.ones((1, 1)))
   with pytest.raises(ValueError, match="need hessian_loss"):
     instruments.update(instruments.init(jnp.ones((1, 1))), records, loss=value, grads=grads,
                        params=jnp.ones((1, 1)), updates=grads)
+  with pytest.raises(ValueError, match=r"phase='sometimes'.*instruments.phase\(step\)"):
+    instruments.update(instruments.init(jnp.ones((1, 1))), records, loss=value, grads=grads,
+                       params=jnp.ones((1, 1)), updates=grads, hessian_loss=lambda w: 0.0,
+                       phase="sometimes")
 
 
 def test_report_draws_the_dashboard_from_logged_readings(tmp_path):
@@ -174,12 +234,16 @@ def test_report_draws_the_dashboard_from_logged_readings(tmp_path):
   readings = {"norm_test": jnp.float32(0.5), "alpha": jnp.float32(jnp.nan),
               "hessian_trace": jnp.float32(2.0)}
   with gl.RunLog(tmp_path / "run") as log:
-    for step in range(3):
-      log.append(step, {"instruments": {**readings, "norm_test": jnp.float32(step)}})
+    for step in range(4):  # Step 3 is not a read step (`every`): NaN.
+      norm_test = jnp.float32(step if step < 3 else jnp.nan)
+      log.append(step, {"instruments": {**readings, "norm_test": norm_test}})
   page = gl.report(tmp_path / "run", progress=False)
   assert page.endswith("dashboard.html")
   text = open(page, encoding="utf-8").read()
-  assert "norm_test" in text and "hessian_trace" in text and "<td>2</td>" in text
+  # The table shows each instrument's last finite reading: norm_test 2 from step 2.
+  assert "<tr><td>norm_test</td><td>2</td></tr>" in text
+  assert "<tr><td>hessian_trace</td><td>2</td></tr>" in text
+  assert "<tr><td>alpha</td><td>nan</td></tr>" in text
   assert (tmp_path / "run" / "report" / "instruments.png").exists()
 
 
@@ -217,8 +281,9 @@ def _every_layer_kind(p, ids, img, y):
   return jnp.sum((out - y) ** 2, -1)
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
-def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap):
+def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap, method):
   keys = iter(jax.random.split(jax.random.PRNGKey(3), 16))
   normal = lambda shape: jax.random.normal(next(keys), shape)
   p = {"emb": normal((7, 4)), "ln_s": normal((4,)), "ln_b": normal((4,)),
@@ -238,7 +303,7 @@ def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap):
   # Library computation.
   batch_loss = lambda p: jnp.mean(_every_layer_kind(p, ids, img, y))
   tests = wrap(lambda p: gl.batch_size_tests(gl.reap(jax.grad(batch_loss))(p),
-                                             tied=("tied",)))(p)
+                                             tied=("tied",), method=method))(p)
   # Comparison.
   np.testing.assert_allclose(tests.inner_product_test, inner, rtol=1e-3)
   np.testing.assert_allclose(tests.norm_test, norm, rtol=1e-3)

@@ -11,6 +11,25 @@ the distance), the previous update, loss and slope (for alpha), the last curvatu
 readings and a PRNG key; curvature is measured every `curvature_every` steps (a
 `lax.cond`; between, the last values are repeated).
 
+What a reading costs (measured on a 4 x 512 MLP, batch 128, CPU; see
+`benchmarks/RESULTS.md`): the batch-size tests take two small Gram matrices per
+dense layer (`B^2 (d_in + d_out)` multiply-adds, about a sixth of the step's
+matmuls at that size); grad_norm, update_size, alpha and distance take five
+parameter-sized reductions (`|g|^2`, `|u|^2`, `<g, u>`, `<g, u_prev>`,
+`|theta - theta_0|^2`), which XLA's CPU backend runs well below memory speed. Read
+every step, the economy preset costs 1.3-1.4 plain steps there. `every=k` reads the
+per-step instruments on every k-th step only (Cockpit's `track_interval`); the steps
+between read NaN, and only the one before each read step keeps what alpha needs.
+Scheduled by the state's step count, that takes `lax.cond`s, which inside a
+`lax.scan` cost 1.03 (JAX 0.5.0) to 1.17 (JAX 0.10.2) plain steps for `every=10`
+even on steps that read nothing. From a Python training loop, give the schedule as
+a static argument instead (1.02-1.06):
+
+    instruments = gl.training_instruments("economy", every=10)
+    step = jax.jit(train_step, static_argnames="phase")  # passes phase to update
+    for i, batch in enumerate(batches):
+      params, state, readings = step(params, state, batch, phase=instruments.phase(i))
+
 Cockpit's three configurations are the presets (instruments Cockpit has and we do
 not, its histograms, TIC, CABS and early stopping, are left out):
 
@@ -28,6 +47,8 @@ Sharp edges:
     the GSNR use the marked layers of `records` only.
   * The curvature instruments need `hessian_loss`, the batch loss as a function of
     the parameters alone (see `hessian_trace`).
+  * With `every=k`, alpha at a read step is that of the update made one step before
+    it (its start is kept at the step before each read step).
 """
 
 from __future__ import annotations
@@ -52,6 +73,9 @@ PRESETS = {
 }
 _TESTS = ("norm_test", "inner_product_test", "orthogonality_test")
 _CURVATURE = ("hessian_trace", "hessian_max_eigenvalue")
+# What a step does under `every`: read the instruments, start the next read step's
+# alpha (keep this step's loss, slope and update), or neither.
+_PHASES = ("read", "start", "skip")
 
 
 @functools.partial(
@@ -83,10 +107,13 @@ class InstrumentsState:
 
 
 class InstrumentsTransform(NamedTuple):
-  """A pair of pure functions, as an optax `GradientTransformation` is."""
+  """Pure functions, as an optax `GradientTransformation` is (see
+  `training_instruments`): `init`, `update`, and `phase`, the schedule of `every`
+  for a Python int step."""
 
   init: Any
   update: Any
+  phase: Any
 
 
 def _instrument_names(preset) -> tuple[str, ...]:
@@ -110,6 +137,7 @@ def training_instruments(
     reduction: str = "mean",
     curvature_every: int = 10,
     num_products: int = 20,
+    every: int = 1,
     names: Sequence[str] | None = None,
     tied: Collection[str] = (),
 ) -> InstrumentsTransform:
@@ -121,14 +149,23 @@ def training_instruments(
     reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
     curvature_every: measure the curvature instruments every this many steps.
     num_products: Hessian-vector products per curvature instrument and use.
+    every: read the other instruments on steps 0, k, 2k, ... only (Cockpit's
+      `track_interval`); the steps between read NaN and skip their work. By default
+      `update` follows the state's step count with `lax.cond` (fine inside a
+      `lax.scan`); from a Python training loop pass `phase=instruments.phase(step)`
+      as a static argument of the jitted step instead, so that each phase compiles
+      once and the steps between carry no `lax.cond` (measured in a 10-step scan on
+      JAX 0.10.2, CPU: 1.17x plain with the conds, 1.02x with static phases).
     names, tied: the layer records to use, as for `per_example_norms`.
 
   Returns:
     An `InstrumentsTransform`. `init(params, key=None)` gives the state;
-    `update(state, records, *, loss, grads, params, updates, hessian_loss=None)`
-    returns `(readings, state)`, `readings` a dict of scalars by instrument name.
-    `params` are those the gradient was taken at, `updates` what the optimizer
-    adds to them.
+    `update(state, records, *, loss, grads, params, updates, hessian_loss=None,
+    phase=None)` returns `(readings, state)`, `readings` a dict of scalars by
+    instrument name. `params` are those the gradient was taken at, `updates` what
+    the optimizer adds to them. `phase(step)` says what a Python int step does under
+    `every`: `"read"`, `"start"` (the step before a read step keeps what alpha
+    needs) or `"skip"`.
 
   Example:
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
@@ -145,9 +182,9 @@ def training_instruments(
     -0.5
   """
   instruments = _instrument_names(preset)
-  if not isinstance(curvature_every, int) or curvature_every < 1:
-    raise ValueError(f"training_instruments(curvature_every={curvature_every!r}): give a "
-                     "positive integer.")
+  for arg, value in (("curvature_every", curvature_every), ("every", every)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"training_instruments({arg}={value!r}): give a positive integer.")
   curvature = [n for n in instruments if n in _CURVATURE]
   wants_alpha, wants_distance = "alpha" in instruments, "distance" in instruments
 
@@ -172,13 +209,14 @@ def training_instruments(
     return {n: fns[n](hessian_loss, params, key=k, num_products=num_products)
             .astype(jnp.float32) for n, k in zip(curvature, keys)}
 
-  def update(state: InstrumentsState, records, *, loss, grads, params, updates,
-             hessian_loss: Callable[[Any], jax.Array] | None = None):
+  per_step = [n for n in instruments if n not in _CURVATURE]
+
+  def read(state, records, loss, grads, params, updates, start: bool):
+    """The per-step instruments' readings by name, and `<grads, updates>` if `start`
+    (alpha's next start) else `None`."""
     readings = {}
     if "loss" in instruments:
       readings["loss"] = loss
-    if "grad_norm" in instruments:
-      readings["grad_norm"] = _step_quality.update_size(grads)
     if any(n in instruments for n in _TESTS):
       tests = _instruments.batch_size_tests(records, reduction=reduction, names=names,
                                             tied=tied)
@@ -186,33 +224,85 @@ def training_instruments(
     if "mean_gsnr" in instruments:
       readings["mean_gsnr"] = _instruments.gradient_snr(
           records, reduction=reduction, names=names, tied=tied).mean
+    pairs = {}
+    if "grad_norm" in instruments:
+      pairs["grad_norm"] = (grads, grads)
+    if "update_size" in instruments:
+      pairs["update_size"] = (updates, updates)
+    if wants_distance:
+      moved = jax.tree.map(jnp.subtract, params, state.initial)
+      pairs["distance"] = (moved, moved)
+    if wants_alpha:
+      pairs["slope_1"] = (grads, state.previous_update)
+    if start:
+      pairs["slope_0"] = (grads, updates)
+    sums = {}
+    if pairs:
+      sums = _step_quality.inner_products(pairs)
+      readings.update({n: jnp.sqrt(sums[n]) for n in ("grad_norm", "update_size", "distance")
+                       if n in sums})
+    if wants_alpha:
+      alpha = _step_quality.step_alpha(state.previous_loss, state.previous_slope, loss,
+                                       sums["slope_1"])
+      readings["alpha"] = jnp.where(state.step > 0, alpha, jnp.nan)
+    return {n: jnp.asarray(readings[n], jnp.float32) for n in per_step}, sums.get("slope_0")
+
+  def phase(step: int) -> str:
+    """What step `step` (a Python int) does under `every`: "read", "start" or "skip"."""
+    if step % every == 0:
+      return "read"
+    return "start" if wants_alpha and (step + 1) % every == 0 else "skip"
+
+  def when(condition, fn, otherwise):
+    """`fn()` or `otherwise()`: chosen in Python for a bool, by `lax.cond` if traced."""
+    if isinstance(condition, bool):
+      return fn() if condition else otherwise()
+    return lax.cond(condition, fn, otherwise)
+
+  def update(state: InstrumentsState, records, *, loss, grads, params, updates,
+             hessian_loss: Callable[[Any], jax.Array] | None = None,
+             phase: str | None = None):
+    if curvature and hessian_loss is None:
+      raise ValueError(
+          f"training_instruments.update: the instruments {curvature} need "
+          "hessian_loss, the batch loss as a function of the parameters, e.g. "
+          "hessian_loss=lambda p: loss(p, x, y).")
+    if phase is None and every == 1:
+      reads = starts = True
+    elif phase is None:  # The schedule from the traced step count.
+      reads, starts = state.step % every == 0, (state.step + 1) % every == 0
+    elif phase in _PHASES:
+      reads, starts = phase == "read", phase == "start" or (phase == "read" and every == 1)
+    else:
+      raise ValueError(
+          f"training_instruments.update(phase={phase!r}): give None (the schedule from "
+          f"the state's step count) or one of {_PHASES}, as `instruments.phase(step)` "
+          "returns for a Python int step.")
+    args = (state, records, loss, grads, params, updates)
+    start = lambda: (jnp.asarray(loss, jnp.float32),
+                     _step_quality.inner_products({"s": (grads, updates)})["s"], updates)
+    keep = lambda: (state.previous_loss, state.previous_slope, state.previous_update)
+    if reads is True and starts is True:  # Read, and start the next alpha in one pass.
+      readings, slope_0 = read(*args, start=wants_alpha)
+      begun = (jnp.asarray(loss, jnp.float32), slope_0, updates) if wants_alpha else None
+    else:
+      nan = {n: jnp.full((), jnp.nan, jnp.float32) for n in per_step}
+      readings = when(reads, lambda: read(*args, start=False)[0], lambda: nan)
+      begun = when(starts, start, keep) if wants_alpha else None
     previous = {}
     if wants_alpha:
-      slope_1 = _step_quality.directional_derivative(grads, state.previous_update)
-      alpha = _step_quality.step_alpha(state.previous_loss, state.previous_slope, loss,
-                                       slope_1)
-      readings["alpha"] = jnp.where(state.step > 0, alpha, jnp.nan)
-      previous = {"previous_update": updates, "previous_loss": jnp.asarray(loss, jnp.float32),
-                  "previous_slope": _step_quality.directional_derivative(grads, updates)}
-    if "update_size" in instruments:
-      readings["update_size"] = _step_quality.update_size(updates)
-    if wants_distance:
-      readings["distance"] = _step_quality.update_size(
-          jax.tree.map(jnp.subtract, params, state.initial))
+      previous = {"previous_loss": begun[0],
+                  "previous_slope": jnp.asarray(begun[1], jnp.float32),
+                  "previous_update": begun[2]}
     measured, key = state.curvature, state.key
     if curvature:
-      if hessian_loss is None:
-        raise ValueError(
-            f"training_instruments.update: the instruments {curvature} need "
-            "hessian_loss, the batch loss as a function of the parameters, e.g. "
-            "hessian_loss=lambda p: loss(p, x, y).")
       key, use = jax.random.split(state.key)
       measured = lax.cond(state.step % curvature_every == 0,
                           lambda: measure_curvature(hessian_loss, params, use),
                           lambda: state.curvature)
       readings.update(measured)
-    readings = {n: jnp.asarray(readings[n], jnp.float32) for n in instruments}
+    readings = {n: readings[n] for n in instruments}
     return readings, dataclasses.replace(state, step=state.step + 1, curvature=measured,
                                          key=key, **previous)
 
-  return InstrumentsTransform(init, update)
+  return InstrumentsTransform(init, update, phase)

@@ -59,7 +59,7 @@ from jax import lax
 
 from oryx_gradlog.analyses import _ghost
 from oryx_gradlog.record import _layers
-from oryx_gradlog.record._layers import DENSE, HIGHEST, Positions
+from oryx_gradlog.record._layers import DENSE, Positions
 
 _APPROXIMATIONS = ("expand", "reduce")
 
@@ -104,10 +104,6 @@ def _dense_views(api, records, names, tied, reduction):
   for name in _layers.select(api, records, names, (DENSE,)):
     view = _layers.positions(api, name, records[name], tied=name in tied)
     yield name, view, _ghost.loss_scale(reduction, view.batch_size)
-
-
-def _dot(spec, a, b):
-  return jnp.einsum(spec, a, b, precision=HIGHEST)
 
 
 def _unstack(view: Positions, x: jax.Array) -> jax.Array:
@@ -158,11 +154,11 @@ def kfac_factors(
       x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
     batch, positions = g.shape[1], g.shape[2]
     if approximation == "expand":
-      a = _dot("sbtd,sbte->sde", x, x) / (batch * positions)
-      gg = _dot("sbtd,sbte->sde", g, g) / batch
+      a = _ghost.dot("sbtd,sbte->sde", x, x) / (batch * positions)
+      gg = _ghost.dot("sbtd,sbte->sde", g, g) / batch
     else:
       x, g = jnp.mean(x, axis=2), jnp.sum(g, axis=2)
-      a, gg = _dot("sbd,sbe->sde", x, x) / batch, _dot("sbd,sbe->sde", g, g) / batch
+      a, gg = _ghost.dot("sbd,sbe->sde", x, x) / batch, _ghost.dot("sbd,sbe->sde", g, g) / batch
     factors[name] = KFACFactors(_unstack(view, a), _unstack(view, gg))
   return factors
 
@@ -170,10 +166,10 @@ def kfac_factors(
 def _sum_of_squares(x, g, chunk_size):
   """`(S, d_in, d_out)`: sum over examples of the squared `x_i^T g_i`."""
   if x.shape[2] == 1:
-    return _dot("sbd,sbe->sde", x[:, :, 0] ** 2, g[:, :, 0] ** 2)
+    return _ghost.dot("sbd,sbe->sde", x[:, :, 0] ** 2, g[:, :, 0] ** 2)
   batch = x.shape[1]
   if chunk_size is None or chunk_size >= batch:
-    per_example = _dot("sbtd,sbte->sbde", x, g)
+    per_example = _ghost.dot("sbtd,sbte->sbde", x, g)
     return jnp.sum(per_example * per_example, axis=1)
   if batch % chunk_size:
     raise ValueError(
@@ -185,7 +181,7 @@ def _sum_of_squares(x, g, chunk_size):
     return jnp.moveaxis(a, 1, 0)
 
   def step(total, chunk):
-    per_example = _dot("sbtd,sbte->sbde", *chunk)
+    per_example = _ghost.dot("sbtd,sbte->sbde", *chunk)
     return total + jnp.sum(per_example * per_example, axis=1), None
 
   zeros = jnp.zeros((x.shape[0], x.shape[3], g.shape[3]), g.dtype)
@@ -199,7 +195,7 @@ def _moments(api, records, reduction, names, tied, chunk_size, centred):
     w = scale * scale * _sum_of_squares(view.x, view.g, chunk_size)
     b = None if view.bias_g is None else scale * scale * jnp.sum(view.bias_g ** 2, axis=1)
     if centred:
-      mean_w = (scale / batch) * _dot("sbtd,sbte->sde", view.x, view.g)
+      mean_w = (scale / batch) * _ghost.dot("sbtd,sbte->sde", view.x, view.g)
       w = jnp.maximum(w / batch - mean_w * mean_w, 0.0)
       if b is not None:
         mean_b = (scale / batch) * jnp.sum(view.bias_g, axis=1)

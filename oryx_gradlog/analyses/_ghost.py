@@ -118,7 +118,7 @@ def choose_method(view: Positions, method: str) -> str:
   return GRAM if t * (d_in + d_out) <= d_in * d_out else MATERIALIZED
 
 
-def _dot(spec, a, b):
+def dot(spec, a, b):
   return jnp.einsum(spec, a, b, precision=HIGHEST)
 
 
@@ -132,7 +132,7 @@ def weight_squared_norms(view: Positions, method: str) -> jax.Array:
       return jnp.sum(g * g, axis=(2, 3))
     if method == GRAM:
       same = x[..., :, None] == x[..., None, :]
-      return jnp.sum(jnp.where(same, _dot("sbtd,sbud->sbtu", g, g), 0.0), axis=(2, 3))
+      return jnp.sum(jnp.where(same, dot("sbtd,sbud->sbtu", g, g), 0.0), axis=(2, 3))
     table = jnp.zeros(g.shape[:2] + (view.vocabulary, g.shape[3]), g.dtype)
     scatter = lambda table, ids, g: table.at[ids].add(g)
     per_example = jax.vmap(jax.vmap(scatter))(table, x, g)
@@ -140,8 +140,8 @@ def weight_squared_norms(view: Positions, method: str) -> jax.Array:
   if method == GRAM and g.shape[2] == 1:
     return jnp.sum(x * x, axis=(2, 3)) * jnp.sum(g * g, axis=(2, 3))
   if method == GRAM:
-    return jnp.sum(_dot("sbtd,sbud->sbtu", x, x) * _dot("sbtd,sbud->sbtu", g, g), axis=(2, 3))
-  per_example = _dot("sbtd,sbte->sbde", x, g)
+    return jnp.sum(dot("sbtd,sbud->sbtu", x, x) * dot("sbtd,sbud->sbtu", g, g), axis=(2, 3))
+  per_example = dot("sbtd,sbte->sbde", x, g)
   return jnp.sum(per_example * per_example, axis=(2, 3))
 
 
@@ -151,22 +151,31 @@ def squared_norms(
 ) -> tuple[dict[str, jax.Array], dict[str, str], dict[str, Positions]]:
   """Per layer, `(*calls, B)` squared per-example norms (of `l_i`), methods and views."""
   check_reduction(api, reduction)
-  if method not in _METHODS:
-    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
+  check_method(api, method)
   tied = check_tied(api, records, tied)
   squares, methods, views = {}, {}, {}
   for name in _layers.select(api, records, names, kinds):
     view = _layers.positions(api, name, records[name], tied=name in tied)
-    chosen = choose_method(view, method)
-    square = weight_squared_norms(view, chosen)
-    if view.groups > 1:
-      square = square.reshape((-1, view.groups) + square.shape[1:]).sum(1)
-    if view.bias_g is not None:
-      square = square + jnp.sum(view.bias_g * view.bias_g, axis=-1)
-    scale = loss_scale(reduction, view.batch_size)
-    squares[name] = (scale * scale) * square.reshape(view.stack_shape + square.shape[-1:])
-    methods[name], views[name] = chosen, view
+    methods[name] = choose_method(view, method)
+    squares[name] = view_squared_norms(view, methods[name], reduction)
+    views[name] = view
   return squares, methods, views
+
+
+def view_squared_norms(view: Positions, method: str, reduction: str) -> jax.Array:
+  """`(*calls, B)` squared per-example norms of `l_i`'s gradient for one layer view."""
+  square = weight_squared_norms(view, method)
+  if view.groups > 1:
+    square = square.reshape((-1, view.groups) + square.shape[1:]).sum(1)
+  if view.bias_g is not None:
+    square = square + jnp.sum(view.bias_g * view.bias_g, axis=-1)
+  scale = loss_scale(reduction, view.batch_size)
+  return (scale * scale) * square.reshape(view.stack_shape + square.shape[-1:])
+
+
+def check_method(api: str, method: str) -> None:
+  if method not in _METHODS:
+    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
 
 
 def check_tied(api, records, tied):

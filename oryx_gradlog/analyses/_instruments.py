@@ -4,9 +4,17 @@ Cockpit (Schneider, Dangel and Hennig 2021) draws these "instruments" from BackP
 per-example quantities. Here they come from the layer records of the ordinary
 backward pass, with no per-example gradient formed: per-example squared norms the
 ghost way (`per_example_norms`), and per-example inner products with the batch
-gradient `gbar = (1/B) sum_j grad_j` as `<grad_i, v> = <g_i, J_i v>` (a `jax.jvp` of
-the very layer function whose vjp `clipped_grads` takes, at `v = gbar`, which is that
-vjp at the unclipped cotangent). With `n_i = |grad_i|^2`, `d_i = <grad_i, gbar>`:
+gradient `gbar = (1/B) sum_j grad_j`, per layer whichever way costs less:
+
+* Gram form (dense and conv layers): `d_i = (1/B) sum_j <grad_i, grad_j>` with
+  `<x_i^T g_i, x_j^T g_j> = sum_{t,u} (x_it . x_ju)(g_it . g_ju)`, two `(B T)^2`
+  Gram matrices, `(B T)^2 (d_in + d_out)` multiply-adds: half of the layer's
+  weight-gradient matmul for a 512-wide layer and a batch of 128;
+* jvp form (any layer): `<grad_i, v> = <g_i, J_i v>`, a `jax.jvp` of the very layer
+  function whose vjp `clipped_grads` takes, at `v = gbar` (that vjp at the unclipped
+  cotangent), `B T d_in d_out`.
+
+With `n_i = |grad_i|^2`, `d_i = <grad_i, gbar>`:
 
 * norm test (Byrd et al. 2012): `sqrt(sum_i |grad_i - gbar|^2 / (B (B-1))) / |gbar|`,
   with `sum_i |grad_i - gbar|^2 = sum_i n_i - B |gbar|^2`;
@@ -46,6 +54,7 @@ import jax.numpy as jnp
 from oryx_gradlog.analyses import _clip, _curvature, _ghost
 from oryx_gradlog.analyses._curvature import LayerParams
 from oryx_gradlog.record import _layers
+from oryx_gradlog.record._layers import CONV2D, DENSE
 
 
 @functools.partial(
@@ -114,20 +123,56 @@ def per_example_moments(
     api: str, records: dict[str, Any], *, reduction: str, names, tied, method,
 ) -> tuple[jax.Array, jax.Array, int]:
   """`(n, d, B)`: per example `|grad_i|^2` and `<grad_i, gbar>` over the layers."""
-  squares, _, views = _ghost.squared_norms(
-      api, records, reduction=reduction, names=names, tied=tied, method=method,
-      kinds=_ghost.NORM_KINDS)
-  batch_size = _one_batch_size(api, views)
+  _ghost.check_reduction(api, reduction)
+  _ghost.check_method(api, method)
   tied = _ghost.check_tied(api, records, tied)
-  squared = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
+  views = {name: _layers.positions(api, name, records[name], tied=name in tied)
+           for name in _layers.select(api, records, names, _ghost.NORM_KINDS)}
+  batch_size = _one_batch_size(api, views)
   scale = _ghost.loss_scale(reduction, batch_size)
-  products = 0.0
-  for name in squares:
+  squared, products = 0.0, 0.0
+  for name, view in views.items():
+    if _products_method(view, method) == _ghost.GRAM:
+      pairs = (scale * scale) * _gram(view)  # <grad_i, grad_j>
+      squared = squared + jnp.diagonal(pairs)
+      products = products + jnp.mean(pairs, axis=1)
+      continue
+    square = _ghost.view_squared_norms(view, _ghost.choose_method(view, method), reduction)
+    squared = squared + jnp.sum(square.reshape(-1, batch_size), axis=0)
     gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch_size,
                          tied=name in tied)
     products = products + scale * _clip.per_example_inner_products(
         records[name], gbar, name in tied)
   return squared, products, batch_size
+
+
+def _products_method(view, method: str) -> str:
+  """Gram form for dense and conv layers where it costs less than the jvp."""
+  if view.kind not in (DENSE, CONV2D) or method == _ghost.MATERIALIZED:
+    return "jvp"
+  if method == _ghost.GRAM:
+    return _ghost.GRAM
+  _, batch, t, d_in = view.x.shape
+  d_out = view.g.shape[-1]
+  return _ghost.GRAM if batch * t * (d_in + d_out) <= d_in * d_out else "jvp"
+
+
+def _gram(view) -> jax.Array:
+  """`(B, B)`: `<grad_i, grad_j>` (of the recorded loss) from two Gram matrices.
+
+  `<x_i^T g_i, x_j^T g_j> = sum_{t,u} (x_it . x_ju) (g_it . g_ju)`; the bias adds
+  `<sum_t g_it, sum_u g_ju>`, i.e. 1 on every `x_it . x_ju`. Summed over the stacked
+  calls (and feature groups: each group's `g` is its slice of the output features).
+  """
+  x, g = view.x, view.g
+  bias = 0.0 if view.bias_g is None else 1.0
+  if x.shape[2] == 1:
+    x, g = x[:, :, 0], g[:, :, 0]
+    pairs = (_ghost.dot("sbd,scd->sbc", x, x) + bias) * _ghost.dot("sbd,scd->sbc", g, g)
+    return jnp.sum(pairs, axis=0)
+  pairs = ((_ghost.dot("sbtd,scud->sbctu", x, x) + bias)
+           * _ghost.dot("sbtd,scud->sbctu", g, g))
+  return jnp.sum(pairs, axis=(0, 3, 4))
 
 
 def batch_size_tests(
@@ -148,7 +193,9 @@ def batch_size_tests(
     reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
     names: the layer records to use (default: every layer record).
     tied: names whose calls share one weight (see `per_example_norms`).
-    method: how per-example norms are computed (see `per_example_norms`).
+    method: how per-example norms are computed (see `per_example_norms`), and the
+      inner products: `"gram"` in the Gram form where the layer has one (dense,
+      conv2d), `"materialized"` by the jvp, `"auto"` whichever costs less per layer.
 
   Returns:
     A `BatchSizeTests` of scalars.

@@ -23,6 +23,10 @@ Sharp edges:
   * A site records only when a backward pass reaches it: a site that does not
     depend on the differentiated inputs has no cotangent and makes no record. A site
     whose output is cut by `lax.stop_gradient` does make a record, of zeros.
+  * A backward pass through a site that no reap collects leaves Oryx's `Sow` effect
+    on the function: the compiled program is the plain one, but `jax.jit` dispatches
+    a function with effects on its Python path (about 1 ms per call on CPU).
+    Reaping and dropping the records removes the effect (see the README).
   * Leaves that are not floating point (integers, booleans) have no cotangent; their
     place in a record is `None`.
   * Under `vmap`, the batch axis of a record is moved to the front, so per-example

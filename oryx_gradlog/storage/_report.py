@@ -23,7 +23,9 @@ Sharp edges:
   * Leading dims other than `call` and `example` are averaged (norm) or summed
     (histogram, non-finite counts) in the plots.
   * Instruments are the variables named `instruments.NAME`; NaN readings (alpha at
-    the first step, curvature before its first use) are gaps in the lines.
+    the first step, curvature before its first use, the steps between readings of
+    `training_instruments(every=k)`) are left out of the lines, and the dashboard's
+    table shows each instrument's last finite reading.
 """
 
 from __future__ import annotations
@@ -211,14 +213,16 @@ def dashboard_page(dataset, run_dir, out_dir: str, plt) -> str | None:
         continue
       name, log, line = panel[col]
       values = logged[name].reshape(len(steps), -1).mean(axis=1)
-      ax.plot(steps, values, marker="." if np.sum(np.isfinite(values)) < 20 else None)
+      read = np.isfinite(values)  # Untracked steps (`every`) read NaN: join the rest.
+      ax.plot(np.asarray(steps)[read], values[read], marker="." if np.sum(read) < 20 else None)
       if line is not None:
         ax.axhline(line, color="grey", linestyle="--", linewidth=1)
       if log and np.all(values[np.isfinite(values)] > 0):
         ax.set_yscale("log")
       ax.set(title=f"{title}: {name}", xlabel="step")
   image = _save(fig, out_dir, "instruments.png", plt)
-  last = {name: values.reshape(len(steps), -1)[-1].mean() for name, values in logged.items()}
+  last = {name: _last_reading(values.reshape(len(steps), -1).mean(axis=1))
+          for name, values in logged.items()}
   page = os.path.join(out_dir, "dashboard.html")
   with open(page, "w", encoding="utf-8") as f:
     f.write(
@@ -231,11 +235,17 @@ def dashboard_page(dataset, run_dir, out_dir: str, plt) -> str | None:
         "(dashed) say the batch is large enough; alpha 0 is a step to the minimum of the "
         "local quadratic, -1 no progress, 1 an overshoot to the same loss. "
         "<a href='index.html'>Gradient report</a></p>"
-        f"<h2>Last step ({steps[-1]})</h2><table><tr><th>instrument</th><th>value</th></tr>" +
+        "<h2>Last readings</h2><table><tr><th>instrument</th><th>value</th></tr>" +
         "".join(f"<tr><td>{html.escape(n)}</td><td>{v:.4g}</td></tr>"
                 for n, v in sorted(last.items())) +
         f"</table><img src='{image}' width='100%'></body></html>")
   return page
+
+
+def _last_reading(values: np.ndarray) -> float:
+  """The last finite value, NaN if there is none."""
+  finite = values[np.isfinite(values)]
+  return float(finite[-1]) if finite.size else float("nan")
 
 
 def _save(fig, out_dir, name, plt) -> str:
