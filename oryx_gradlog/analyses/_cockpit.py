@@ -49,6 +49,8 @@ Sharp edges:
     the parameters alone (see `hessian_trace`).
   * With `every=k`, alpha at a read step is that of the update made one step before
     it (its start is kept at the step before each read step).
+  * A static `phase` is trusted: pass `instruments.phase(i)` for the i-th call of
+    `update` (the state's step count is traced and cannot be checked against it).
 """
 
 from __future__ import annotations
