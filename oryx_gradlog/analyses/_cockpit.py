@@ -292,10 +292,8 @@ def training_instruments(
       readings = when(reads, lambda: read(*args, start=False)[0], lambda: nan)
       begun = when(starts, start, keep) if wants_alpha else None
     previous = {}
-    if wants_alpha:
-      previous = {"previous_loss": begun[0],
-                  "previous_slope": jnp.asarray(begun[1], jnp.float32),
-                  "previous_update": begun[2]}
+    if wants_alpha:  # `inner_products` sums in float32, as the state holds it.
+      previous = dict(zip(("previous_loss", "previous_slope", "previous_update"), begun))
     measured, key = state.curvature, state.key
     if curvature:
       key, use = jax.random.split(state.key)

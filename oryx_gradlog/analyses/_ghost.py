@@ -150,16 +150,26 @@ def squared_norms(
     tied: Collection[str], method: str, kinds: Sequence[str] = (DENSE, CONV2D, EMBED),
 ) -> tuple[dict[str, jax.Array], dict[str, str], dict[str, Positions]]:
   """Per layer, `(*calls, B)` squared per-example norms (of `l_i`), methods and views."""
-  check_reduction(api, reduction)
-  check_method(api, method)
-  tied = check_tied(api, records, tied)
-  squares, methods, views = {}, {}, {}
-  for name in _layers.select(api, records, names, kinds):
-    view = _layers.positions(api, name, records[name], tied=name in tied)
-    methods[name] = choose_method(view, method)
-    squares[name] = view_squared_norms(view, methods[name], reduction)
-    views[name] = view
+  views, _ = layer_views(api, records, reduction=reduction, names=names, tied=tied,
+                         method=method, kinds=kinds)
+  methods = {name: choose_method(view, method) for name, view in views.items()}
+  squares = {name: view_squared_norms(view, methods[name], reduction)
+             for name, view in views.items()}
   return squares, methods, views
+
+
+def layer_views(
+    api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
+    tied: Collection[str], method: str, kinds: Sequence[str],
+) -> tuple[dict[str, Positions], set[str]]:
+  """Checks the arguments; returns the selected layers' views and the tied names."""
+  check_reduction(api, reduction)
+  if method not in _METHODS:
+    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
+  tied = check_tied(api, records, tied)
+  views = {name: _layers.positions(api, name, records[name], tied=name in tied)
+           for name in _layers.select(api, records, names, kinds)}
+  return views, tied
 
 
 def view_squared_norms(view: Positions, method: str, reduction: str) -> jax.Array:
@@ -171,11 +181,6 @@ def view_squared_norms(view: Positions, method: str, reduction: str) -> jax.Arra
     square = square + jnp.sum(view.bias_g * view.bias_g, axis=-1)
   scale = loss_scale(reduction, view.batch_size)
   return (scale * scale) * square.reshape(view.stack_shape + square.shape[-1:])
-
-
-def check_method(api: str, method: str) -> None:
-  if method not in _METHODS:
-    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
 
 
 def check_tied(api, records, tied):

@@ -123,11 +123,8 @@ def per_example_moments(
     api: str, records: dict[str, Any], *, reduction: str, names, tied, method,
 ) -> tuple[jax.Array, jax.Array, int]:
   """`(n, d, B)`: per example `|grad_i|^2` and `<grad_i, gbar>` over the layers."""
-  _ghost.check_reduction(api, reduction)
-  _ghost.check_method(api, method)
-  tied = _ghost.check_tied(api, records, tied)
-  views = {name: _layers.positions(api, name, records[name], tied=name in tied)
-           for name in _layers.select(api, records, names, _ghost.NORM_KINDS)}
+  views, tied = _ghost.layer_views(api, records, reduction=reduction, names=names,
+                                   tied=tied, method=method, kinds=_ghost.NORM_KINDS)
   batch_size = _one_batch_size(api, views)
   scale = _ghost.loss_scale(reduction, batch_size)
   squared, products = 0.0, 0.0

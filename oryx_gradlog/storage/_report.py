@@ -217,7 +217,7 @@ def dashboard_page(dataset, run_dir, out_dir: str, plt) -> str | None:
       ax.plot(np.asarray(steps)[read], values[read], marker="." if np.sum(read) < 20 else None)
       if line is not None:
         ax.axhline(line, color="grey", linestyle="--", linewidth=1)
-      if log and np.all(values[np.isfinite(values)] > 0):
+      if log and np.all(values[read] > 0):
         ax.set_yscale("log")
       ax.set(title=f"{title}: {name}", xlabel="step")
   image = _save(fig, out_dir, "instruments.png", plt)
