@@ -117,6 +117,79 @@ def test_keep_full_summary_or_both_by_pattern():
   assert gl.summarize(records, summary="none*") == {}
 
 
+def test_a_name_that_matches_no_record_is_an_error_listing_the_records():
+  records = {"fc1": jnp.ones(3), "fc2": jnp.ones(2)}
+  with pytest.raises(ValueError, match=r"summarize\(full='fcc', summary='fc3'\): no record has "
+                     r"that name; the records are \['fc1', 'fc2'\]\. Use one of these names"):
+    gl.summarize(records, full="fcc", summary=("fc1", "fc3"))
+  # Patterns with wildcards may match nothing: a run that has no such layer yet.
+  logged = gl.summarize(records, full="conv*", summary=("fc?", "[x]"))
+  assert set(logged) == {"fc1", "fc2"} and logged["fc1"].full is None
+  with pytest.raises(ValueError, match=r"layer_parts=\('weights',\)\): 'weights' is not a part "
+                     r"of a layer record; the parts are 'primals', 'out_cotangent', "
+                     r"'in_cotangents', or '\*'"):
+    gl.summarize(records, layer_parts=("weights",))
+
+
+def _layer_step(keep_axes, layer_parts, calls):
+  """A dense layer (applied `calls` times in a scan when calls > 0) and its records."""
+  def layer(x, w, b, perturb=0.0):  # `perturb` adds zeros to the layer's output.
+    return jnp.tanh(gl.dense(x, w, b, name="fc") + perturb)
+
+  def loss(params, x, perturb=0.0):
+    if not calls:
+      return jnp.sum(jnp.sin(layer(x, *params, perturb)) ** 2)
+    def body(h, wb):
+      return layer(h, *wb), None
+    return jnp.sum(jnp.sin(jax.lax.scan(body, x, params)[0]) ** 2)
+
+  key1, key2 = jax.random.split(jax.random.PRNGKey(0))
+  lead = (calls,) if calls else ()
+  params = (jax.random.normal(key1, (*lead, 4, 4)) / 2, jnp.full((*lead, 4), 0.1))
+  x = jax.random.normal(key2, (5, 4))
+  grads, records = gl.call_and_reap(jax.grad(loss))(params, x)
+  logged = gl.summarize(records, keep_axes=keep_axes, layer_parts=layer_parts)
+  return loss, params, x, grads, records, logged["fc"].summary
+
+
+def test_a_layer_record_is_summarized_by_its_output_cotangent():
+  loss, params, x, grads, _, summary = _layer_step(1, ("out_cotangent",), calls=0)
+  # True computation: dL/dy by the zero-perturbation trick; dL/dw by plain grad.
+  g = jax.grad(lambda d: loss(params, x, d))(jnp.zeros((5, 4)))
+  assert summary.primals is None and summary.in_cotangents is None
+  np.testing.assert_allclose(summary.out_cotangent.norm, np.linalg.norm(g, axis=1), rtol=1e-5)
+  # On request: the inputs and the input cotangents too, per example only where
+  # the leaf has examples.
+  *_, full = _layer_step(1, "*", calls=0)
+  layer, cotangents = full.primals[0], full.in_cotangents[0]
+  np.testing.assert_allclose(layer.x.norm, np.linalg.norm(x, axis=1), rtol=1e-5)
+  assert layer.w.norm.shape == () and cotangents.w.norm.shape == () and layer.b.norm.shape == ()
+  np.testing.assert_allclose(cotangents.w.norm, np.linalg.norm(grads[0]), rtol=1e-5)
+  np.testing.assert_allclose(cotangents.b.norm, np.linalg.norm(grads[1]), rtol=1e-5)
+  assert layer.kind == "dense" and cotangents.x.norm.shape == (5,)
+
+
+def test_a_layer_summary_labels_only_example_axes_as_examples(tmp_path):
+  pytest.importorskip("xarray")
+  pytest.importorskip("zarr")
+  # Three calls of one layer in a scan: keep (call, example) where there are examples,
+  # (call,) for the weights, whose rows must not be taken for examples.
+  _, params, x, grads, records, summary = _layer_step(2, "*", calls=3)
+  with gl.RunLog(tmp_path, dims={"*": ("call", "example")}) as log:
+    log.append(0, {"fc": summary})
+  run = gl.open_run(tmp_path)
+  assert run["fc.out_cotangent.norm"].dims == ("step", "call", "example")
+  assert run["fc.primals.0.x.norm"].dims == ("step", "call", "example")
+  assert run["fc.primals.0.w.norm"].dims == ("step", "call")
+  assert run["fc.in_cotangents.0.w.histogram"].dims == ("step", "call", "magnitude_bin")
+  assert run["fc.in_cotangents.0.b.norm"].dims == ("step", "call")
+  np.testing.assert_allclose(run["fc.in_cotangents.0.w.norm"].values[0],
+                             np.linalg.norm(grads[0].reshape(3, -1), axis=1), rtol=1e-5)
+  g = records["fc"].out_cotangent
+  np.testing.assert_allclose(run["fc.out_cotangent.norm"].values[0],
+                             np.linalg.norm(g, axis=-1), rtol=1e-5)
+
+
 def test_too_many_keep_axes_names_the_record():
   with pytest.raises(ValueError, match=r"summarize: record 'h' has shape \(3,\), fewer than "
                      r"keep_axes=2 axes.*smaller keep_axes"):

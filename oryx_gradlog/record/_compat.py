@@ -13,6 +13,9 @@ Sharp edges:
     the test matrix (README, "Versions") lists the sets that were tested.
   * tensorflow-probability and tfp-nightly install the same module; having both is
     named in the error, since either one can shadow the other.
+  * The probe reaps in the default float dtype, so with `jax_enable_x64` on (the
+    `JAX_ENABLE_X64` variable, or `jax.config.update` before the import) it checks
+    float64, which works on every supported set.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def unsupported_message(error: BaseException, installed=_version) -> str:
 def _probe() -> None:
   """Reaps what record sites need from Oryx: scan with append sows, cond, jit."""
   import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax import lax  # pylint: disable=g-import-not-at-top
   from oryx.core import reap, sow  # pylint: disable=g-import-not-at-top
 
@@ -86,8 +90,10 @@ def _probe() -> None:
     x = sow(x * carry, tag="probe", name="x", mode="append")
     return lax.cond(x > 0, jax.jit(lambda c: c + x), lambda c: c, carry), None
 
-  reaped = reap(lambda xs: lax.scan(body, 1.0, xs)[0], tag="probe")
-  shapes = jax.eval_shape(reaped, jax.ShapeDtypeStruct((3,), "float32"))
+  # The carry has the inputs' dtype, and the inputs the default float (float64 with
+  # `jax_enable_x64`): a scan whose carry changes dtype fails in JAX itself.
+  reaped = reap(lambda xs: lax.scan(body, jnp.ones((), xs.dtype), xs)[0], tag="probe")
+  shapes = jax.eval_shape(reaped, jax.ShapeDtypeStruct((3,), jnp.result_type(float)))
   if shapes["x"].shape != (3,):
     raise RuntimeError(f"a scan of 3 steps reaped {shapes['x'].shape}, not (3,)")
 

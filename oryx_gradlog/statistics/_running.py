@@ -19,6 +19,7 @@ Sharp edges:
   * The records' structure and shapes must stay the same from step to step (they do
     under `jit`); a change is an error that names the record.
   * `ema` starts at zero; `debiased_ema` divides by `1 - decay ** steps` as Adam does.
+  * The state is float32, or float64 for float64 records (`jax_enable_x64`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog.statistics._summaries import DEFAULT_BINS, magnitude_histogram
+from oryx_gradlog.statistics._summaries import DEFAULT_BINS, float_dtype, magnitude_histogram
 
 
 @functools.partial(
@@ -118,16 +119,16 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsT
   """
 
   def init_leaf(x):
-    x = jnp.asarray(x, jnp.float32)
-    zeros = jnp.zeros(x.shape, jnp.float32)
+    x = jnp.asarray(x)
+    zeros = jnp.zeros(x.shape, float_dtype(x.dtype))
     return RunningStats(
         steps=jnp.zeros((), jnp.int32), mean=zeros, m2=zeros, ema=zeros,
-        min=jnp.full(x.shape, jnp.inf), max=jnp.full(x.shape, -jnp.inf),
+        min=jnp.full(x.shape, jnp.inf, zeros.dtype), max=jnp.full(x.shape, -jnp.inf, zeros.dtype),
         nonfinite=jnp.zeros(x.shape, jnp.int32),
         histogram=jnp.zeros((len(bins) + 1,), jnp.int32), decay=decay)
 
   def update_leaf(stats: RunningStats, x) -> RunningStats:
-    x = jnp.asarray(x, jnp.float32)
+    x = jnp.asarray(x, stats.mean.dtype)
     histogram = magnitude_histogram(x.ravel(), bins)  # Of the finite entries only.
     steps = stats.steps + 1
     # Each output is its own pass on CPU (no multi-output fusion): written so that
@@ -136,7 +137,7 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsT
                     stats.histogram + histogram)
 
   def _update(stats, x, steps, histogram):
-    count = (steps - stats.nonfinite).astype(jnp.float32)
+    count = (steps - stats.nonfinite).astype(x.dtype)
     delta = x - stats.mean
     return RunningStats(
         steps=steps, mean=stats.mean + delta / count,
@@ -148,7 +149,7 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsT
   def _masked_update(stats, x, steps, histogram):
     finite = jnp.isfinite(x)
     nonfinite = stats.nonfinite + ~finite
-    count = jnp.maximum(steps - nonfinite, 1).astype(jnp.float32)
+    count = jnp.maximum(steps - nonfinite, 1).astype(x.dtype)
     delta = jnp.where(finite, x - stats.mean, 0.0)
     return RunningStats(
         steps=steps, mean=stats.mean + delta / count,

@@ -38,6 +38,12 @@ Sharp edges:
     `report` and `export_tensorboard` do not show (they need the histogram).
   * Under `vmap` of `summarize` the `lax.cond` becomes a select, so both the
     unmasked and the masked summary are computed.
+  * A name in `full` or `summary` that matches no record is an error (a typo would
+    otherwise log nothing); a pattern with a wildcard may match none.
+  * A layer record (`gl.dense`, ...) is summarized by its output cotangent only,
+    unless `layer_parts` asks for its inputs, weights or input cotangents too.
+  * Statistics are computed in float32, or in float64 for float64 records
+    (`jax_enable_x64`); histogram edges are compared in float32 either way.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from oryx_gradlog.record._layers import LayerInputs, call_axes, is_layer_record
+from oryx_gradlog.record._record import VJPRecord
 
 
 def magnitude_bins(low: float = 2.0**-34, high: float = 2.0**14, count: int = 25) -> np.ndarray:
@@ -138,7 +147,7 @@ def _bin_index(x: jax.Array, bins, masked: bool = True) -> jax.Array:
   integer arithmetic only; other edges count the edges at or below |x|.
   """
   edges = np.asarray(bins, np.float32)
-  magnitude = jnp.abs(x)
+  magnitude = jnp.abs(x).astype(jnp.float32)  # Beyond float32's range: inf, the last bin.
   steps = _power_of_two_steps(edges)
   if steps is not None:
     first, step = steps
@@ -201,6 +210,12 @@ def _reduce_last(operands: list[tuple[jax.Array, Any, Any]]) -> list[jax.Array]:
                          combine, (axis,)))
 
 
+def float_dtype(dtype) -> np.dtype:
+  """The dtype statistics of `dtype` values are computed in: float32, or float64 for
+  float64 values (with `jax_enable_x64`)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def summarize_leaf(x: jax.Array, *, keep_axes: int = 0, bins=DEFAULT_BINS) -> Summary:
   """Returns the `Summary` of one array, reducing all but its first `keep_axes` axes.
 
@@ -214,7 +229,7 @@ def summarize_leaf(x: jax.Array, *, keep_axes: int = 0, bins=DEFAULT_BINS) -> Su
   x = jnp.asarray(x)
   if x.ndim < keep_axes:
     raise ValueError(f"has shape {x.shape}, fewer than keep_axes={keep_axes} axes")
-  entries = x.reshape(x.shape[:keep_axes] + (-1,)).astype(jnp.float32)
+  entries = x.reshape(x.shape[:keep_axes] + (-1,)).astype(float_dtype(x.dtype))
   summary, mean_square = _summarize(entries, bins)
   fast = jnp.all(jnp.isfinite(mean_square) & (2 * summary.mean**2 <= mean_square))
   return lax.cond(fast, lambda: summary, lambda: _summarize(entries, bins, masked=True)[0])
@@ -241,11 +256,12 @@ def _summarize(entries, bins, masked=False) -> tuple[Summary, jax.Array]:
   # and packed int, four times slower than the two). Then the chunks, a small array.
   partials = _reduce_last(operands)
   histogram = None if bins is None else jnp.sum(
-      unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters])), -2)
+      unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters])), -2,
+      dtype=jnp.int32)
   total, sumsq, low, high, *count = _reduce_last(
       [(partial, init, combine) for partial, (_, init, combine) in zip(partials, operands)])
   count = count[0] if masked else jnp.full(total.shape, n, jnp.int32)
-  divisor = jnp.maximum(count, 1).astype(jnp.float32)
+  divisor = jnp.maximum(count, 1).astype(entries.dtype)
   mean, mean_square = total / divisor, sumsq / divisor
   if masked:
     deviations = mask(chunks - mean[..., None, None], 0.0)
@@ -261,12 +277,65 @@ def magnitude_histogram(x: jax.Array, bins=DEFAULT_BINS) -> jax.Array:
   """Counts |x| of the finite entries of `x` in the magnitude bins, over the last axis."""
   x = x.reshape(x.shape[:-1] + (-1, _chunk_length(x.shape[-1])))
   counters, unpack = _bin_counters(_bin_index(x, bins), bins)
-  return jnp.sum(unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters])), -2)
+  return jnp.sum(unpack(_reduce_last([(counter, 0, jnp.add) for counter in counters])), -2,
+                 dtype=jnp.int32)
 
 
-def _matches(name: str, patterns: str | Iterable[str]) -> bool:
-  patterns = (patterns,) if isinstance(patterns, str) else patterns
+_WILDCARDS = "*?["
+LAYER_PARTS = ("primals", "out_cotangent", "in_cotangents")  # The fields of a VJPRecord.
+
+
+def _patterns(patterns: str | Iterable[str]) -> tuple[str, ...]:
+  return (patterns,) if isinstance(patterns, str) else tuple(patterns)
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
   return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _check_names(records, full, summary, layer_parts) -> None:
+  """Raises, listing every bad argument at once, for a name that matches no record."""
+  bad = [f"{argument}={pattern!r}" for argument, patterns in (("full", full), ("summary", summary))
+         for pattern in patterns
+         if not any(c in pattern for c in _WILDCARDS) and pattern not in records]
+  if bad:
+    raise ValueError(
+        f"summarize({', '.join(bad)}): no record has that name; the records are "
+        f"{sorted(records)}. Use one of these names, or a pattern with a wildcard "
+        "(e.g. 'fc*'), which may match none.")
+  unknown = [part for part in layer_parts if part != "*" and part not in LAYER_PARTS]
+  if unknown:
+    raise ValueError(
+        f"summarize(layer_parts={layer_parts!r}): {', '.join(map(repr, unknown))} is not a "
+        f"part of a layer record; the parts are {', '.join(map(repr, LAYER_PARTS))}, or '*' "
+        "for all of them.")
+
+
+def _summarize_layer(record: VJPRecord, parts, keep_axes: int, bins) -> VJPRecord:
+  """Summarizes the chosen parts of a layer record; the others are None.
+
+  Only the input `x` and the output cotangent have an example axis: a weight or a
+  bias (and their cotangents) keeps at most its call axes, so that a kept axis of a
+  summary is never a weight's rows.
+  """
+  calls = call_axes(record)
+
+  def leaf(x, has_examples):
+    axes = keep_axes if has_examples else min(keep_axes, calls)
+    return None if x is None else summarize_leaf(x, keep_axes=axes, bins=bins)
+
+  def layer(inputs):
+    return dataclasses.replace(inputs, x=leaf(inputs.x, True), w=leaf(inputs.w, False),
+                               b=leaf(inputs.b, False))
+
+  def part(name, value):
+    if "*" not in parts and name not in parts:
+      return None
+    if name == "out_cotangent":
+      return leaf(value, True)
+    return jax.tree.map(layer, value, is_leaf=lambda node: isinstance(node, LayerInputs))
+
+  return VJPRecord(*(part(name, getattr(record, name)) for name in LAYER_PARTS))
 
 
 def summarize(
@@ -276,6 +345,7 @@ def summarize(
     summary: str | Iterable[str] = "*",
     keep_axes: int = 0,
     bins=DEFAULT_BINS,
+    layer_parts: str | Iterable[str] = ("out_cotangent",),
 ) -> dict[str, Logged]:
   """Returns, per record name, the full record, its `Summary` tree, or both.
 
@@ -287,13 +357,23 @@ def summarize(
     full: names or fnmatch patterns (`"dense*"`) of records to keep in full.
     summary: names or patterns of records to summarize (default: all).
     keep_axes: leading axes to keep in summaries (1: per call, 2: per call and
-      example for `(call, example, ...)` records).
+      example for `(call, example, ...)` records). In a layer record's summary a
+      weight or bias keeps only its call axes: it has no example axis.
     bins: magnitude histogram edges (default `magnitude_bins()`), or None for no
       histogram (`Summary.histogram` is None; the cheapest summaries).
+    layer_parts: what to summarize of a layer record (made by `gl.dense`,
+      `gl.conv2d`, `gl.embed`, `gl.layer_norm`): its fields `"out_cotangent"`
+      (default), `"in_cotangents"`, `"primals"`, or `"*"` for all. The summary is a
+      `VJPRecord` of `Summary`s with `None` for the parts left out.
 
   Returns:
     `{name: Logged(full=..., summary=...)}` for every name matched by `full` or
     `summary`; the part not asked for is `None`.
+
+  Raises:
+    ValueError: a name in `full` or `summary` without wildcards names no record (the
+      error lists the records), or a part in `layer_parts` is not a field of
+      `VJPRecord`.
 
   Example:
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
@@ -302,6 +382,8 @@ def summarize(
     >>> logged["h"].summary.norm, logged["h"].full
     (Array(8.485281, dtype=float32), None)
   """
+  full, summary, layer_parts = _patterns(full), _patterns(summary), _patterns(layer_parts)
+  _check_names(records, full, summary, layer_parts)
   logged = {}
   for name, record in records.items():
     keep_full, keep_summary = _matches(name, full), _matches(name, summary)
@@ -309,10 +391,12 @@ def summarize(
       continue
     summarized = None
     if keep_summary:
-      leaves, treedef = jax.tree_util.tree_flatten_with_path(record)
       try:
-        summarized = treedef.unflatten(
-            [summarize_leaf(leaf, keep_axes=keep_axes, bins=bins) for _, leaf in leaves])
+        if is_layer_record(record):
+          summarized = _summarize_layer(record, layer_parts, keep_axes, bins)
+        else:
+          summarized = jax.tree.map(
+              lambda leaf: summarize_leaf(leaf, keep_axes=keep_axes, bins=bins), record)
       except ValueError as error:
         raise ValueError(
             f"summarize: record {name!r} {error}. Pass a smaller keep_axes, or keep "
