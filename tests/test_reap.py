@@ -163,6 +163,29 @@ def test_function_without_sites_reaps_empty_dict():
   assert out == 2.0 and records == {}
 
 
+BODIES = {
+    "plain": lambda f: f,
+    "jit_body": jax.jit,
+    "scan_body": lambda f: lambda x: jnp.sum(jax.lax.scan(lambda c, _: (c, f(x)), 0.0, None,
+                                                          length=2)[1]),
+    "cond_branch": lambda f: lambda x: jax.lax.cond(x[0] > 0, f, jnp.sum, x),
+}
+
+
+@pytest.mark.parametrize("body", BODIES.values(), ids=BODIES.keys())
+def test_a_reap_that_sees_only_other_tags_names_them(variant, body):
+  loss = body(lambda x: jnp.sum(gl.tap(jnp.sin(x), name="h", tag="mine") ** 2))
+  x = jnp.array([1.0, 2.0])
+  with pytest.raises(ValueError, match=r"reap\(tag='vjp'\): the function traced record sites "
+                     r"of tag 'mine' but none of tag 'vjp'.*Pass tag='mine' to reap"):
+    variant(gl.reap, jax.grad(loss))(x)
+  # With the right tag: the records, against the perturbation trick.
+  records = variant(lambda f: gl.reap(f, tag="mine"), jax.grad(loss))(x)
+  expected = jax.grad(lambda h: jnp.sum(h ** 2))(jnp.sin(x))  # dL/dh in each body.
+  h = records["h"][0] if body is BODIES["scan_body"] else records["h"]
+  np.testing.assert_allclose(h, expected, rtol=1e-6)
+
+
 def test_calls_that_cannot_be_stacked_raise_naming_the_record():
   x, w, _ = _data()
   loss = lambda x, w: jnp.sum(mvm(mvm(x, w), w[:, :2]))

@@ -56,6 +56,7 @@ from oryx_gradlog.record._internals import (
     subjaxprs,
     while_p,
 )
+from oryx_gradlog.record._sites import parse_sow_name
 
 _oryx_scan_rule = harvest.reap_custom_rules[scan_p]
 _oryx_cond_rule = harvest.reap_custom_rules[cond_p]
@@ -164,6 +165,13 @@ def _may_sow(jaxpr) -> bool:
              for eqn in jaxpr.eqns) or any(map(_may_sow, subjaxprs(jaxpr)))
 
 
+def _site_tags(jaxpr) -> set:
+  """The tags of the record-site sows in `jaxpr` and its bodies."""
+  tags = {eqn.params["tag"] for eqn in jaxpr.eqns
+          if eqn.primitive is harvest.sow_p and parse_sow_name(eqn.params["name"])}
+  return tags.union(*map(_site_tags, subjaxprs(jaxpr)))
+
+
 def _unless_sow_free(rule, primitive):
   """Binds `primitive` as it is when its bodies hold no sow; else reaps with `rule`.
 
@@ -173,7 +181,11 @@ def _unless_sow_free(rule, primitive):
   """
 
   def wrapped(trace, *vals, **params):
-    if any(map(_may_sow, jaxprs_in_params(params))):
+    jaxprs = list(jaxprs_in_params(params))
+    if any(map(_may_sow, jaxprs)):
+      note = getattr(trace.context, "note_tags", None)  # `gl.reap`'s collector.
+      if note is not None:
+        note(set().union(*map(_site_tags, jaxprs)))
       return rule(trace, *vals, **params)
     with set_current_trace(trace.parent_trace):
       return primitive.bind(*vals, **params)

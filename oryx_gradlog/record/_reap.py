@@ -26,6 +26,9 @@ Sharp edges:
     gradient with its own `call_and_reap` to keep its records in a separate dict.
   * A reap collects the sites of one tag; a nested reap of the same tag takes the
     records made inside it, and the outer reap does not see them.
+  * A reap that traced record sites of other tags but none of its own raises an
+    error naming the tags it saw (noted while tracing: nothing runs per call). A
+    function with no record sites at all reaps `{}`.
   * A function traced once and called several times inside a `jit` or `checkpoint`
     body (JAX reuses its trace) cannot be reaped twice by Oryx; this is an error
     that says what to do.
@@ -54,9 +57,25 @@ from oryx_gradlog.record._sites import DEFAULT_TAG
 
 @dataclasses.dataclass
 class _Collector(harvest.ReapContext):
-  """Oryx reap context that keeps record-site sows in arrival order."""
+  """Oryx reap context that keeps record-site sows in arrival order.
+
+  It also notes the tags of record sites it sees sown under other tags (Oryx hands
+  every sow to the context, and the reap rules of `jit`, `scan` and `cond` bodies
+  report theirs through `note_tags`), all while tracing, so that a reap that finds
+  none of its own can say which tags were there.
+  """
 
   arrivals: list = dataclasses.field(default_factory=list)
+  other_tags: set = dataclasses.field(default_factory=set)
+
+  def process_sow(self, *values, name, tag, mode, tree):
+    if tag != self.settings.tag and _sites.parse_sow_name(name) is not None:
+      self.other_tags.add(tag)
+    return super().process_sow(*values, name=name, tag=tag, mode=mode, tree=tree)
+
+  def note_tags(self, tags) -> None:
+    """Notes the tags of record sites sown inside a body that a reap rule reaps."""
+    self.other_tags.update(t for t in tags if t != self.settings.tag)
 
   def handle_sow(self, *values, name, tag, tree, mode):
     if _sites.parse_sow_name(name) is None:  # A plain Oryx sow: Oryx's semantics.
@@ -127,6 +146,12 @@ def _reaper(f, *, tag, api):
       raise
     records = {name: reap.value for name, reap in collector.reaps.items()}
     records.update(_assemble(collector.arrivals, api))
+    if not records and collector.other_tags:
+      tags = sorted(map(repr, collector.other_tags))
+      raise ValueError(
+          f"{api}(tag={tag!r}): the function traced record sites of tag {' and '.join(tags)} "
+          f"but none of tag {tag!r}, so there is nothing to reap. Pass tag={tags[0]} to "
+          f"{api}, or mark the sites with tag={tag!r}.")
     return out, records
 
   return wrapped
