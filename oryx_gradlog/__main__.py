@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
   report = commands.add_parser("report", help="write PNG plots and an HTML page of a run")
   report.add_argument("run_dir")
   report.add_argument("--out", default=None, help="output folder (default RUN_DIR/report)")
-  board = commands.add_parser("tensorboard", help="export summaries to TensorBoard files")
+  board = commands.add_parser("tensorboard", help="export every numeric series to TensorBoard files")
   board.add_argument("run_dir")
   board.add_argument("--logdir", default=None, help="default RUN_DIR/tensorboard")
   args = parser.parse_args(argv)

@@ -4,7 +4,6 @@ import errno
 import os
 import pathlib
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
@@ -278,29 +277,244 @@ def test_command_line_report_and_error(tmp_path):
   assert result.returncode == 2 and "no run here" in result.stderr
 
 
-def _read_events(path):
-  from tensorboardX.proto import event_pb2
-
-  events, data = [], pathlib.Path(path).read_bytes()
-  while data:
-    (length,) = struct.unpack("<Q", data[:8])
-    event = event_pb2.Event()
-    event.ParseFromString(data[12 : 12 + length])
-    events.append(event)
-    data = data[12 + length + 4 :]
-  return events
+def _events(logdir):
+  """TensorBoard's own reader of the event files in `logdir`."""
+  accumulator = pytest.importorskip(
+      "tensorboard.backend.event_processing.event_accumulator").EventAccumulator(
+          str(logdir), size_guidance={"scalars": 0, "histograms": 0})
+  accumulator.Reload()
+  return accumulator
 
 
 def test_tensorboard_export_has_scalars_and_histograms(tmp_path):
   pytest.importorskip("tensorboardX")
   run_dir = _summary_run(tmp_path / "run", steps=4)
-  logdir = gl.export_tensorboard(run_dir)
-  (name,) = os.listdir(logdir)
-  values = [(value.tag, event.step, value) for event in _read_events(os.path.join(logdir, name))
-            for value in event.summary.value]
-  norms = sorted((step, value.simple_value) for tag, step, value in values
-                 if tag == "h.summary/norm")
+  events = _events(gl.export_tensorboard(run_dir))
+  norms = [(event.step, event.value) for event in events.Scalars("h.summary/norm")]
   expected = gl.open_run(run_dir)["h.summary.norm"].mean("example").values
-  np.testing.assert_allclose([v for _, v in norms], expected, rtol=1e-5)
-  histograms = [value.histo for tag, _, value in values if tag == "h.summary/magnitude"]
-  assert len(histograms) == 4 and all(sum(h.bucket) == 4 * 2 for h in histograms)  # 4 x h[2]
+  assert [step for step, _ in norms] == [0, 1, 2, 3]
+  np.testing.assert_allclose([value for _, value in norms], expected, rtol=1e-5)
+  histograms = events.Histograms("h.summary/magnitude")
+  assert len(histograms) == 4
+  assert all(sum(h.histogram_value.bucket) == 4 * 2 for h in histograms)  # 4 x h[2]
+
+
+# Keys as users write them: tree paths with "/", and characters the store escapes.
+KEYS = ("loss", "opt/lr", "grads/fc1/norm", "grads\\fc2", "100%", "summaries/h")
+
+
+def _keyed_step(step):
+  """One step of a run logged under `KEYS`: scalars, a per-example vector, a summary."""
+  records, logged = _step(*_data(step))
+  return {
+      "loss": jnp.float32(1.0 / (step + 1)),
+      "opt/lr": 0.1 * 0.5**step,
+      "grads/fc1/norm": jnp.linalg.norm(records["dense"][1].reshape(4, -1), axis=1),
+      "grads\\fc2": np.int32(step),
+      "100%": jnp.float32(step) / 100,
+      "summaries/h": logged["h"],
+  }
+
+
+def _keyed_run(run_dir, steps=range(6), resume=False):
+  appended = []
+  dims = {"grads/*": ("example",), "summaries/*": ("example",)}
+  with gl.RunLog(run_dir, dims=dims, steps_per_chunk=4, resume=resume) as log:
+    for step in steps:
+      logged = _keyed_step(step)
+      log.append(step, logged)
+      appended.append(_dotted(jax.device_get(logged)))
+  return appended
+
+
+def _dotted(tree):
+  """`{name: leaf}` with the names the README gives: tree path entries joined by '.'."""
+  def entry(key):
+    return str(next(getattr(key, a) for a in ("key", "name", "idx") if hasattr(key, a)))
+  return {".".join(map(entry, path)): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _assert_run_holds(run_dir, appended):
+  run = gl.open_run(run_dir)
+  assert set(run.data_vars) == set(appended[0])  # Every key, under its own name.
+  for name in appended[0]:
+    np.testing.assert_array_equal(run[name].values, np.stack([a[name] for a in appended]),
+                                  err_msg=name)
+  return run
+
+
+def test_every_key_comes_back_from_open_run_and_plain_zarr(tmp_path):
+  from urllib.parse import unquote
+
+  appended = _keyed_run(tmp_path)
+  run = _assert_run_holds(tmp_path, appended)
+  assert {"loss", "opt/lr", "grads/fc1/norm", "grads\\fc2", "100%",
+          "summaries/h.full", "summaries/h.summary.norm"} <= set(run.data_vars)
+  assert run["grads/fc1/norm"].dims == ("step", "example")
+  # Plain zarr: one array per key, named by the documented encoding, with its key.
+  group = zarr.open_group(str(tmp_path / "log.zarr"), mode="r")
+  names = {name for name, _ in group.arrays()} - {"step"}
+  assert {unquote(name) for name in names} == set(appended[0])
+  assert "opt%2Flr" in names and "grads%5Cfc2" in names and "100%25" in names
+  assert group["opt%2Flr"].attrs["key"] == "opt/lr"
+  np.testing.assert_array_equal(group["grads%2Ffc1%2Fnorm"][:], run["grads/fc1/norm"].values)
+  # Resumed, the run carries on and loses nothing written before.
+  appended += _keyed_run(tmp_path, range(6, 9), resume=True)
+  _assert_run_holds(tmp_path, appended)
+
+
+def test_every_key_comes_back_in_tensorboard(tmp_path):
+  pytest.importorskip("tensorboardX")
+  appended = _keyed_run(tmp_path / "run")
+  events = _events(gl.export_tensorboard(tmp_path / "run"))
+  run = gl.open_run(tmp_path / "run")
+  for name in ("loss", "opt/lr", "grads\\fc2", "100%"):
+    values = [(event.step, event.value) for event in events.Scalars(name)]
+    assert [step for step, _ in values] == list(range(6)), name
+    np.testing.assert_allclose([v for _, v in values], run[name].values, rtol=1e-6)
+  assert "summaries/h.summary/norm" in events.Tags()["scalars"]
+  # A per-example vector: a histogram of its entries each step.
+  histograms = events.Histograms("grads/fc1/norm")
+  assert [h.step for h in histograms] == list(range(6))
+  for h, expected in zip(histograms, run["grads/fc1/norm"].values):
+    assert h.histogram_value.num == 4
+    np.testing.assert_allclose(h.histogram_value.sum, expected.sum(), rtol=1e-5)
+  assert "summaries/h.full" in events.Tags()["histograms"]
+  _assert_run_holds(tmp_path / "run", appended)  # Reading lost nothing.
+
+
+def test_tensorboard_exports_instruments_and_refuses_an_empty_export(tmp_path):
+  pytest.importorskip("tensorboardX")
+  with gl.RunLog(tmp_path / "run") as log:
+    for step in range(3):  # alpha is NaN at step 0: not read there.
+      alpha = jnp.float32(jnp.nan if step == 0 else 0.1 * step)
+      log.append(step, {"instruments": {"alpha": alpha, "norm_test": jnp.float32(step)}})
+  events = _events(gl.export_tensorboard(tmp_path / "run"))
+  assert [e.step for e in events.Scalars("instruments.alpha")] == [1, 2]
+  np.testing.assert_allclose([e.value for e in events.Scalars("instruments.norm_test")],
+                             [0, 1, 2])
+  with gl.RunLog(tmp_path / "complex") as log:  # Nothing that TensorBoard can show.
+    log.append(0, {"z": np.complex64(1 + 2j)})
+  with pytest.raises(ValueError, match=r"export_tensorboard\('.*complex'\): the run has no "
+                     r"numeric variable to export \(its variables: \['z'\]\)"):
+    gl.export_tensorboard(tmp_path / "complex")
+  assert not (tmp_path / "complex" / "tensorboard").exists()
+  result = subprocess.run([sys.executable, "-m", "oryx_gradlog", "tensorboard",
+                           str(tmp_path / "complex")], capture_output=True, text=True,
+                          timeout=300, check=False)
+  assert result.returncode == 2 and "no numeric variable to export" in result.stderr
+
+
+@pytest.mark.parametrize("logged, message", [
+    (np.ones(2), r"the logged value itself has an empty name; log a dict"),
+    ({"a.b": 1.0, "a": {"b": 2.0}}, r"\['a.b'\] and \['a'\]\['b'\] both have the name 'a.b'"),
+    ({"step": 1}, r"'step' is reserved for the step axis"),
+    ({"k" * 300: 1.0}, r"'k+' is 300 bytes long as a file name, more than 255"),
+    ({"ok": 1.0, "": 2.0, "step": 3}, r"\[''\] has an empty name.*'step' is reserved"),
+])
+def test_a_key_that_cannot_be_stored_is_refused_before_anything_is_queued(
+    tmp_path, logged, message):
+  log = _three_steps(tmp_path)
+  with pytest.raises(ValueError, match=r"RunLog.append: " + message + r".*Nothing was queued"):
+    log.append(3, logged)
+  log.append(3, {"x": np.float32(3)})  # The same step number: the bad one never counted.
+  log.close()
+  _assert_steps(tmp_path, [0, 1, 2, 3])
+
+
+def test_open_run_before_the_first_commit_says_so(tmp_path):
+  log = gl.RunLog(tmp_path, steps_per_chunk=16)
+  log.append(0, {"x": np.float32(0)})  # Staged, not yet written.
+  with pytest.raises(ValueError, match=r"open_run\('.*'\): the run has no committed step yet.*"
+                     r"log.flush\(\)"):
+    gl.open_run(tmp_path)
+  log.append(1, {"x": np.float32(1)})
+  assert log.flush() == 2
+  _assert_steps(tmp_path, [0, 1])
+  log.close()
+
+
+def _report_images(page):
+  """The image files `page` links, checked to exist, and the text of its table cells."""
+  import html.parser
+  from urllib.parse import unquote
+
+  class Page(html.parser.HTMLParser):
+    def __init__(self):
+      super().__init__()
+      self.images, self.cells, self._cell = [], [], False
+
+    def handle_starttag(self, tag, attrs):
+      if tag == "img":
+        self.images.append(dict(attrs)["src"])
+      self._cell = tag == "td"
+
+    def handle_data(self, data):
+      if self._cell:
+        self.cells.append(data)
+
+  parsed = Page()
+  parsed.feed(pathlib.Path(page).read_text(encoding="utf-8"))
+  folder = pathlib.Path(page).parent
+  matplotlib_image = pytest.importorskip("matplotlib.image")
+  for src in parsed.images:
+    pixels = matplotlib_image.imread(folder / unquote(src))
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.std() > 0, src
+  return parsed.images, parsed.cells
+
+
+def test_report_plots_every_series_under_its_key(tmp_path):
+  appended = _keyed_run(tmp_path)
+  page = gl.report(tmp_path, progress=False)
+  images, cells = _report_images(page)
+  # The summaries as before, the record's histogram in one file despite its "/".
+  assert {"norms.png", "per_example.png", "nonfinite.png",
+          "summaries%252Fh.summary.histogram.png", "series_1.png"} <= set(images)
+  # The scalar series, by key, with their last values.
+  for name in ("loss", "opt/lr", "grads\\fc2", "100%"):
+    assert float(cells[cells.index(name) + 1]) == pytest.approx(float(appended[-1][name]), rel=1e-3), name
+  assert "summaries/h.summary" in cells
+  _assert_run_holds(tmp_path, appended)
+
+
+def test_report_of_a_run_without_summaries(tmp_path):
+  with gl.RunLog(tmp_path, dims={"per_example": ("example",)}) as log:
+    for step in range(40):
+      log.append(step, {"loss": jnp.float32(np.exp(-step / 10)), "lr": 1e-3,
+                        "per_example": jnp.arange(8.0) * step,
+                        **{f"extra{i}": np.float32(i * step) for i in range(12)}})
+  page = gl.report(tmp_path, progress=False)
+  images, cells = _report_images(page)
+  assert images == ["series_1.png", "series_2.png"]  # 15 panels, 12 to an image.
+  assert cells[cells.index("loss") + 1] == f"{np.exp(-39 / 10):.4g}"
+  with gl.RunLog(tmp_path / "complex") as log:
+    log.append(0, {"z": np.complex64(1 + 2j)})
+  with pytest.raises(ValueError, match=r"report\('.*complex'\): the run has no numeric "
+                     r"variable to plot \(its variables: \['z'\]\)"):
+    gl.report(tmp_path / "complex", progress=False)
+
+
+def test_report_images_load_in_a_headless_browser(tmp_path):
+  import shutil
+
+  browser = shutil.which("chromium") or shutil.which("chromium-browser")
+  if browser is None:
+    pytest.skip("no chromium (apt-get install chromium) for the headless-browser check")
+  _keyed_run(tmp_path)
+  page = pathlib.Path(gl.report(tmp_path, progress=False))
+  # The page as it is, plus a script that lists each image and its decoded width.
+  check = page.with_name("browser_check.html")
+  check.write_text(page.read_text(encoding="utf-8").replace("</body>", (
+      "<script>window.addEventListener('load', () => { document.body.innerHTML = "
+      "'<pre id=result>' + [...document.images].map(i => i.getAttribute('src') + ' ' + "
+      "i.naturalWidth).join('\\n') + '</pre>'; });</script></body>")), encoding="utf-8")
+  result = subprocess.run(
+      [browser, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
+       "--virtual-time-budget=10000", "--dump-dom", check.as_uri()],
+      capture_output=True, text=True, timeout=120, check=False)
+  lines = result.stdout.split("<pre id=\"result\">")[-1].split("</pre>")[0].splitlines()
+  widths = dict(line.rsplit(" ", 1) for line in lines)
+  images, _ = _report_images(page)
+  assert set(widths) == set(images) and len(images) == 5, result.stdout[-2000:]
+  assert all(int(width) > 0 for width in widths.values()), widths  # Each one decoded.

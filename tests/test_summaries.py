@@ -174,7 +174,7 @@ def test_a_layer_summary_labels_only_example_axes_as_examples(tmp_path):
   pytest.importorskip("zarr")
   # Three calls of one layer in a scan: keep (call, example) where there are examples,
   # (call,) for the weights, whose rows must not be taken for examples.
-  _, params, x, grads, records, summary = _layer_step(2, "*", calls=3)
+  *_, grads, records, summary = _layer_step(2, "*", calls=3)
   with gl.RunLog(tmp_path, dims={"*": ("call", "example")}) as log:
     log.append(0, {"fc": summary})
   run = gl.open_run(tmp_path)

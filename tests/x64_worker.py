@@ -12,10 +12,10 @@ import jax
 if "--config" in sys.argv:
   jax.config.update("jax_enable_x64", True)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
 
-import oryx_gradlog as gl  # noqa: E402  (the import probe runs with x64 on)
+import oryx_gradlog as gl  # The import probe runs with x64 on.
 
 RTOL = 1e-12
 

@@ -1,8 +1,6 @@
-"""The report: PNG plots and an HTML page of a run's gradient summaries.
+"""The report: PNG plots and an HTML page of every numeric series of a run.
 
-`report(run_dir)` reads the summaries that `RunLog` stored (any variable group with
-`norm`, `histogram`, `nonfinite`, ... leaves, as `summarize` makes them) and writes,
-into `run_dir/report/`:
+`report(run_dir)` reads what `RunLog` stored and writes, into `run_dir/report/`:
 
 * `norms.png`: the L2 norm of every summarized record over steps, log scale, one
   line per record (and per call, when a leading `call` dim was named);
@@ -10,7 +8,15 @@ into `run_dir/report/`:
 * `per_example.png`: per-example norm quantiles (5/25/50/75/95 %) over steps, for
   records whose summaries kept an `example` dim;
 * `nonfinite.png`: counts of NaN/inf entries over steps;
-* `index.html`: all of the above and a table of the last step;
+  (these four from the summaries: variable groups with `norm`, `histogram`,
+  `nonfinite`, ... leaves, as `summarize` makes them);
+* `series_N.png`: every other numeric variable, one panel each: a scalar series
+  (loss, learning rate, a gradient norm) as a line over steps, an array as
+  quantile bands over its rows (its `example` dim, else its first dim; other dims
+  reduced to their L2 norm: a full record becomes per-example norms), 12 panels
+  to an image;
+* `index.html`: all of the above, a table of the summaries' last step and of each
+  scalar series' last finite value;
 * `dashboard.html` and `instruments.png`, when the run logged training instruments
   (`gl.training_instruments` readings appended under `"instruments"`): one panel per
   instrument over steps, grouped as Cockpit's dashboard is (step size, gradients,
@@ -19,24 +25,30 @@ into `run_dir/report/`:
 `python -m oryx_gradlog report RUN_DIR` (or the console script `oryx-gradlog`) runs it.
 
 Sharp edges:
-  * Only summaries are plotted; full records stay in the store for your own analysis.
-  * Leading dims other than `call` and `example` are averaged (norm) or summed
-    (histogram, non-finite counts) in the plots.
+  * Leading dims of summaries other than `call` and `example` are averaged (norm)
+    or summed (histogram, non-finite counts) in the plots.
+  * Arrays are read a block of steps at a time, but each is read in full: a run
+    with large full records takes a while to report.
+  * Image files are named like the store's arrays (a `/` in a name is `%2F`), and
+    the page links them URL-quoted.
   * Instruments are the variables named `instruments.NAME`; NaN readings (alpha at
     the first step, curvature before its first use, the steps between readings of
     `training_instruments(every=k)`) are left out of the lines, and the dashboard's
-    table shows each instrument's last finite reading.
+    table shows each instrument's last finite reading. NaN in a scalar series is
+    left out of its line too.
 """
 
 from __future__ import annotations
 
 import html
 import os
+import warnings
 from collections.abc import Iterable
+from urllib.parse import quote
 
 import numpy as np
 
-from oryx_gradlog.storage._store import _require, open_run
+from oryx_gradlog.storage._store import _require, open_run, store_name
 
 _STATS = ("norm", "mean", "variance", "min", "max", "nonfinite")
 INSTRUMENTS = "instruments."
@@ -80,6 +92,9 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
   Returns:
     The path of `index.html` (of `dashboard.html` for a run that logged only
     instruments).
+
+  Raises:
+    ValueError: the run has no numeric variable to plot, or no committed step.
   """
   matplotlib = _require("matplotlib", "report")
   matplotlib.use("Agg")
@@ -91,13 +106,44 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
   os.makedirs(out_dir, exist_ok=True)
   groups = summary_groups(dataset.data_vars)
   dashboard = dashboard_page(dataset, run_dir, out_dir, plt)
-  if not groups and dashboard:
+  series = series_names(dataset)
+  if not groups and not series and dashboard:
     return dashboard
-  if not groups:
+  if not groups and not series:
     raise ValueError(
-        f"report({os.fspath(run_dir)!r}): the run has no summaries (variables P.norm and "
-        "P.histogram) and no instruments (instruments.NAME). Log gl.summarize(records) or "
-        "gl.training_instruments readings with RunLog.append to get a report.")
+        f"report({os.fspath(run_dir)!r}): the run has no numeric variable to plot (its "
+        f"variables: {sorted(map(str, dataset.data_vars))}). Log arrays or numbers with "
+        "RunLog.append, e.g. log.append(step, {'loss': loss}).")
+  images, table = [], ""
+  if groups:
+    images, table = summary_images(dataset, groups, out_dir, plt, tqdm, progress)
+  series_images_, series_table = series_images(dataset, series, out_dir, plt)
+  steps = dataset["step"].values
+  page = os.path.join(out_dir, "index.html")
+  config = html.escape(str(dataset.attrs.get("config", {})))
+  records = sorted({_record_name(g) for g in groups})
+  with open(page, "w", encoding="utf-8") as f:
+    f.write(
+        "<!doctype html><html><head><meta charset='utf-8'><title>oryx_gradlog report</title>"
+        "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
+        "td,th{padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>"
+        "</head><body>"
+        f"<h1>Run report: {html.escape(os.fspath(run_dir))}</h1>"
+        f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}); records summarized: "
+        f"{html.escape(', '.join(records) or 'none')}; other series: {len(series)}.</p>"
+        f"<p>config: {config}</p>" +
+        ("<p><a href='dashboard.html'>Training instruments dashboard</a></p>"
+         if dashboard else "") + table + series_table +
+        "".join(f"<h2>{html.escape(name)}</h2><img src='{html.escape(quote(name))}' "
+                f"alt='{html.escape(name)}' width='100%'>"
+                for name in images + series_images_) +
+        "</body></html>")
+  return page
+
+
+def summary_images(dataset, groups, out_dir, plt, tqdm, progress) -> tuple[list[str], str]:
+  """Plots the summaries (norms, histograms, per-example norms, non-finite counts);
+  returns the image names and the HTML table of the last step."""
   steps = dataset["step"].values
   edges = np.asarray(dataset.attrs.get("magnitude_bins", []), dtype=np.float64)
   data = {}
@@ -139,12 +185,8 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
                              squeeze=False)
     for ax, group in zip(axes[:, 0], per_example):
       norm = _reduce(data[group]["norm"], ("step", "example"), "mean")
-      q = np.percentile(norm.transpose("step", "example").values, [5, 25, 50, 75, 95], axis=1)
-      ax.fill_between(steps, q[0], q[4], alpha=0.2, label="5-95 %")
-      ax.fill_between(steps, q[1], q[3], alpha=0.4, label="25-75 %")
-      ax.plot(steps, q[2], label="median")
+      _band(ax, steps, norm.transpose("step", "example").values)
       ax.set(yscale="log", ylabel="per-example norm", title=_record_name(group))
-      ax.legend(fontsize="small")
     axes[-1, 0].set_xlabel("step")
     images.append(_save(fig, out_dir, "per_example.png", plt))
 
@@ -164,27 +206,87 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
     rows.append("<tr><td>" + html.escape(group) + "</td>" +
                 "".join(f"<td>{last.get(stat, float('nan')):.4g}</td>" for stat in _STATS) +
                 "</tr>")
-  page = os.path.join(out_dir, "index.html")
-  config = html.escape(str(dataset.attrs.get("config", {})))
-  with open(page, "w", encoding="utf-8") as f:
-    f.write(
-        "<!doctype html><html><head><meta charset='utf-8'><title>oryx_gradlog report</title>"
-        "<style>body{font-family:sans-serif;max-width:60em;margin:auto}"
-        "td,th{padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>"
-        "</head><body>"
-        f"<h1>Gradient report: {html.escape(os.fspath(run_dir))}</h1>"
-        f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}), records: "
-        f"{html.escape(', '.join(sorted({_record_name(g) for g in groups})))}.</p>"
-        f"<p>config: {config}</p>" +
-        ("<p><a href='dashboard.html'>Training instruments dashboard</a></p>"
-         if dashboard else "") +
-        f"<h2>Last step ({steps[-1]})</h2><table><tr><th>summary</th>" +
-        "".join(f"<th>{stat}</th>" for stat in _STATS) + "</tr>" + "".join(rows) +
-        "</table>" +
-        "".join(f"<h2>{html.escape(name)}</h2><img src='{html.escape(name)}' width='100%'>"
-                for name in images) +
-        "</body></html>")
-  return page
+  table = (f"<h2>Last step ({steps[-1]})</h2><table><tr><th>summary</th>" +
+           "".join(f"<th>{stat}</th>" for stat in _STATS) + "</tr>" + "".join(rows) +
+           "</table>")
+  return images, table
+
+
+def series_names(dataset) -> list[str]:
+  """The numeric variables that are neither summaries nor instruments: a run's own
+  series (loss, learning rate, full records, per-example norms, ...)."""
+  summarized = {f"{group}.{stat}" for group in summary_groups(dataset.data_vars)
+                for stat in (*_STATS, "histogram")}
+  names = [str(name) for name in dataset.data_vars
+           if name not in summarized and not str(name).startswith(INSTRUMENTS)
+           and dataset[name].dtype.kind in "biuf" and dataset[name].dims[:1] == ("step",)
+           and dataset[name].size]
+  return sorted(names, key=lambda name: (dataset[name].ndim > 1, name))  # Scalars first.
+
+
+def series_values(array, max_entries: int = 2**24) -> tuple[np.ndarray, str]:
+  """Per step, a scalar series' values `(steps,)`, or the rows of an array `(steps,
+  rows)`: its `example` axis (else its first axis) with any other axes reduced to
+  their L2 norm; and a label that says which. Reads `max_entries` at a time."""
+  dims = [d for d in array.dims if d != "step"]
+  if not dims:
+    return np.asarray(array.values, np.float64), array.name
+  rows = "example" if "example" in dims else dims[0]
+  rest = [d for d in dims if d != rows]
+  block = max(1, max_entries // max(1, array[{"step": 0}].size))
+  parts = []
+  for start in range(0, array.sizes["step"], block):
+    part = array.isel(step=slice(start, start + block)).astype(np.float64)
+    parts.append((part if not rest else np.sqrt((part ** 2).sum(rest, skipna=False)))
+                 .transpose("step", rows).values)
+  label = f"{array.name} over {rows}" + (f" (L2 norm over {', '.join(rest)})" if rest else "")
+  return np.concatenate(parts), label
+
+
+def series_images(dataset, names: list[str], out_dir: str, plt,
+                  per_figure: int = 12) -> tuple[list[str], str]:
+  """Plots each series in a panel (a line, or 5-95 % and 25-75 % bands and the median
+  over rows), `per_figure` panels per image; returns the image names and the HTML
+  table of each scalar series' last finite value."""
+  steps = np.asarray(dataset["step"].values)
+  images, last = [], {}
+  for first in range(0, len(names), per_figure):
+    chunk = names[first:first + per_figure]
+    columns = min(3, len(chunk))
+    rows = -(-len(chunk) // columns)
+    fig, axes = plt.subplots(rows, columns, squeeze=False,
+                             figsize=(4 * columns, 2.8 * rows))
+    for ax, name in zip(axes.ravel(), chunk):
+      values, label = series_values(dataset[name])
+      if values.ndim == 1:
+        last[name] = _last_reading(values)
+        read = np.isfinite(values)
+        ax.plot(steps[read], values[read], marker="." if np.sum(read) < 20 else None)
+        shown = values[read]
+        if shown.size and np.all(shown > 0) and shown.max() > 100 * shown.min():
+          ax.set_yscale("log")  # Spans more than two decades.
+      else:
+        _band(ax, steps, values)
+      ax.set_title(label, fontsize="small")
+      ax.set_xlabel("step")
+    for ax in axes.ravel()[len(chunk):]:
+      ax.axis("off")
+    images.append(_save(fig, out_dir, f"series_{first // per_figure + 1}.png", plt))
+  table = ("<h2>Series, last values</h2><table><tr><th>series</th><th>value</th></tr>" +
+           "".join(f"<tr><td>{html.escape(n)}</td><td>{v:.4g}</td></tr>"
+                   for n, v in last.items()) + "</table>") if last else ""
+  return images, table
+
+
+def _band(ax, steps, values) -> None:
+  """Quantiles over the rows of `values` `(steps, rows)`: 5-95 %, 25-75 %, median."""
+  with np.errstate(all="ignore"), warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)  # An all-NaN step: no band there.
+    q = np.nanpercentile(values, [5, 25, 50, 75, 95], axis=1)
+  ax.fill_between(steps, q[0], q[4], alpha=0.2, label="5-95 %")
+  ax.fill_between(steps, q[1], q[3], alpha=0.4, label="25-75 %")
+  ax.plot(steps, q[2], label="median")
+  ax.legend(fontsize="small")
 
 
 def dashboard_page(dataset, run_dir, out_dir: str, plt) -> str | None:
@@ -249,6 +351,9 @@ def _last_reading(values: np.ndarray) -> float:
 
 
 def _save(fig, out_dir, name, plt) -> str:
+  """Saves `fig` as `name` (percent-encoded as the store encodes names, so a record
+  name with `/` stays one file); returns the file's name."""
+  name = store_name(name)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, name), dpi=90)
   plt.close(fig)

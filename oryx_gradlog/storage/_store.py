@@ -1,4 +1,4 @@
-"""The on-disk log: records and summaries appended step by step to a zarr store.
+r"""The on-disk log: records and summaries appended step by step to a zarr store.
 
 `RunLog` takes what a training step returns (records, `summarize` output, any pytree
 of arrays), hands it to a writer thread through a bounded queue, and returns at once:
@@ -7,6 +7,14 @@ step does not stall the device. Each leaf becomes one zarr array with a leading
 `step` axis, named by its tree path (`dense.summary.1.norm`), with xarray dimension
 names, so a run opens with `open_run(run_dir)` as an `xarray.Dataset` or with plain
 `zarr`/numpy.
+
+Names: any string key comes back from `open_run` (and in the report and the
+TensorBoard export) as it was logged, `"grads/fc1"` included. zarr reads `/` and
+`\` in an array name as folders, so the array's name in the store is the key
+percent-encoded (`%` as `%25`, `/` as `%2F`, `\` as `%5C`, NUL as `%00`, and the
+first character of the names `.`, `..`, `zarr.json`, `_commit`, which the store
+keeps for itself): `urllib.parse.unquote` of a store name gives the key back, and
+an encoded array also holds its key in its `key` attribute.
 
 The writer stages steps on the host and writes them `steps_per_chunk` at a time
 (one zarr chunk per leaf), since a file write per leaf per step would cost more
@@ -35,6 +43,14 @@ Sharp edges:
     decreasing or non-integer step is a `ValueError` at `append`, and the steps
     before it stay as they were. Gaps are fine (log every 10th step).
   * `config` is checked to be JSON-serialisable before anything touches the disk.
+  * A name that cannot be stored is a `ValueError` at `append`, before anything is
+    queued: a bare array (no name), the reserved `step`, two tree paths joined
+    into one name (`{"a.b": x, "a": {"b": y}}`), or a name longer than a file name
+    may be (255 bytes, encoded). Names are checked once per tree structure.
+  * On a case-insensitive file system (macOS, Windows) keys that differ only in
+    case (`"W"`, `"w"`) share one folder; use keys that differ otherwise there.
+  * `open_run` of a run with no committed step yet (a live run before its first
+    chunk or `flush`) is a `ValueError` that says so.
 
 Many processes (JAX's multi-controller runtime, `jax.process_count() > 1`): every
 process makes a `RunLog` on the same `run_dir` (on a file system every process
@@ -122,9 +138,54 @@ def _path_name(path) -> str:
 
 
 def flatten_logged(logged: Any) -> dict[str, Any]:
-  """Flattens a pytree into `{dotted tree path: leaf}` (the store's variable names)."""
+  """Flattens a pytree into `{dotted tree path: leaf}` (the run's variable names)."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(logged)
   return {_path_name(path): leaf for path, leaf in leaves}
+
+
+# Characters that zarr's local store reads as path separators or cannot write, and
+# the escape character itself, percent-encoded (so `urllib.parse.unquote` decodes).
+_ESCAPES = {"%": "%25", "/": "%2F", "\\": "%5C", "\x00": "%00"}
+# Whole names that a zarr node cannot have, or that the store uses itself: their
+# first character is percent-encoded too.
+_TAKEN = (".", "..", "zarr.json", "_commit")
+_NAME_MAX = 255  # Bytes in a file name, on every common file system.
+
+
+def store_name(key: str) -> str:
+  """The zarr array name of a run variable: `key`, percent-encoded where needed.
+
+  Example:
+    >>> store_name("grads/fc1.norm"), store_name("100%")
+    ('grads%2Ffc1.norm', '100%25')
+  """
+  name = "".join(_ESCAPES.get(c, c) for c in key)
+  return f"%{ord(name[0]):02X}{name[1:]}" if name in _TAKEN else name
+
+
+def _names_of(api: str, logged: Any) -> list[str]:
+  """The variable names of the leaves of `logged`; raises, listing every one that
+  cannot be stored."""
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(logged)[0]]
+  names = [_path_name(path) for path in paths]
+  bad, first = [], {}
+  for path, name in zip(paths, names):
+    where = jax.tree_util.keystr(path) or "the logged value itself"
+    if name in first:
+      bad.append(f"{where} and {first[name]} both have the name {name!r} (tree paths are "
+                 "joined with '.'); rename one of them")
+    first.setdefault(name, where)
+    if not name:
+      bad.append(f"{where} has an empty name; log a dict of named values, e.g. "
+                 "log.append(step, {'loss': loss})")
+    elif name == "step":
+      bad.append("'step' is reserved for the step axis; rename the leaf")
+    elif len(store_name(name).encode()) > _NAME_MAX:
+      bad.append(f"{name!r} is {len(store_name(name).encode())} bytes long as a file name, "
+                 f"more than {_NAME_MAX}; use shorter keys")
+  if bad:
+    raise ValueError(f"{api}: " + "; ".join(bad) + ". Nothing was queued; the log carries on.")
+  return names
 
 
 class RunLog:
@@ -194,8 +255,9 @@ class RunLog:
           f"RunLog({self.run_dir!r}): cannot write the run folder ({error}). Choose a "
           "writable run_dir.") from error
     self.dropped = int(self._root.attrs.get("dropped_steps", 0))
-    self._layouts = {name: (array.shape[1:], array.dtype, array.chunks[1:])
+    self._layouts = {_key(name, array): (array.shape[1:], array.dtype, array.chunks[1:])
                      for name, array in self._root.arrays()}
+    self._names: dict[Any, list[str]] = {}  # Variable names by tree structure.
     self._last_step = (int(self._root["step"][self._committed - 1])
                        if self._committed and "step" in self._root else None)
     self._pending: list[dict[str, Any]] = []
@@ -299,20 +361,27 @@ class RunLog:
       logged: a pytree of arrays, with the same leaves every step.
 
     Raises:
-      ValueError: `step` is not an integer, or not after the last step appended;
-        nothing is queued and the log carries on.
+      ValueError: `step` is not an integer, or not after the last step appended,
+        or a leaf's name cannot be stored (empty, `"step"`, longer than a file
+        name may be, or the same as another leaf's); nothing is queued and the log
+        carries on.
     """
     self._raise_if_failed("append")
     if self._closed:
       raise RuntimeError(f"RunLog({self.run_dir!r}).append: the log is closed.")
+    leaves, treedef = jax.tree_util.tree_flatten(logged)
+    names = self._names.get(treedef)
+    if names is None:  # Checked once per tree structure.
+      names = self._names[treedef] = _names_of("RunLog.append", logged)
     step = self._next_step(step)
+    flat = dict(zip(names, leaves))
     if self._when_full == "drop":
       try:
-        self._queue.put_nowait((step, logged))
+        self._queue.put_nowait((step, flat))
       except queue.Full:
         self.dropped += 1
     else:
-      self._queue.put((step, logged))
+      self._queue.put((step, flat))
 
   def _next_step(self, step: Any) -> int:
     """Returns `step` as an int; raises unless it is an integer after the last step."""
@@ -406,12 +475,9 @@ class RunLog:
                   if fnmatch.fnmatchcase(name, pattern)), [])[:lead]
     return names + [f"{name}.axis{i}" for i in range(len(names), lead)] + trailing
 
-  def _stage(self, step: int, logged: Any) -> None:
+  def _stage(self, step: int, flat: dict[str, Any]) -> None:
     """Copies one step to the host and checks it; writes once a chunk of steps is full."""
-    flat = flatten_logged(logged)
-    if "step" in flat:
-      raise ValueError("RunLog.append: 'step' is reserved for the step axis; rename the leaf.")
-    flat["step"] = np.asarray(step, np.int64)
+    flat = {**flat, "step": np.asarray(step, np.int64)}
     leaves, layouts = {}, {}
     for name, value in flat.items():
       leaves[name], layouts[name] = self._local_parts(name, value)
@@ -470,13 +536,13 @@ class RunLog:
       for _, array in self._root.arrays():
         array.resize((self._capacity, *array.shape[1:]))
     for name, (shape, dtype, chunk) in self._layouts.items():
-      if name not in self._root:
+      if store_name(name) not in self._root:
         self._create_array(name, shape, dtype, chunk)
+      array = self._root[store_name(name)]
       regions = sorted({region for leaves in self._pending for region in leaves.get(name, {})})
       for region in regions:  # Missing from a step: the fill value.
-        fill = np.full([stop_ - start_ for start_, stop_ in region],
-                       self._root[name].fill_value, dtype)
-        self._root[name][(slice(start, stop), *(slice(*bounds) for bounds in region))] = (
+        fill = np.full([stop_ - start_ for start_, stop_ in region], array.fill_value, dtype)
+        array[(slice(start, stop), *(slice(*bounds) for bounds in region))] = (
             np.stack([leaves.get(name, {}).get(region, fill) for leaves in self._pending]))
     if self._processes > 1:
       self._marks[self._process] = stop  # This process's commit point.
@@ -488,11 +554,12 @@ class RunLog:
     dims = ["step"] if name == "step" else ["step", *self._leading_dims(name, len(shape))]
     try:
       self._root.create_array(
-          name, shape=(self._capacity, *shape), chunks=(self._steps_per_chunk, *chunk),
-          dtype=dtype, fill_value=-1 if name == "step" else _fill(dtype),
-          dimension_names=dims)
+          store_name(name), shape=(self._capacity, *shape),
+          chunks=(self._steps_per_chunk, *chunk), dtype=dtype,
+          fill_value=-1 if name == "step" else _fill(dtype), dimension_names=dims,
+          attributes={} if store_name(name) == name else {"key": name})
     except Exception:  # Another process made it first (the same metadata): use it.
-      if self._processes == 1 or name not in self._root:
+      if self._processes == 1 or store_name(name) not in self._root:
         raise
 
   def _truncate_to_committed(self) -> None:
@@ -567,13 +634,27 @@ def open_run(run_dir: str | os.PathLike):
   zarr = _require("zarr", "open_run")
   root = zarr.open_group(store=path, mode="r")
   committed = _committed_of(root)
+  if not committed:
+    raise ValueError(
+        f"open_run({os.fspath(run_dir)!r}): the run has no committed step yet. RunLog "
+        "writes steps a chunk at a time (steps_per_chunk) and at log.flush() or "
+        "log.close(); open the run again once it has written a step.")
   many = int(root.attrs.get("processes", 1)) > 1
   if many:  # Arrays 2**40 steps long: index lazily (no dask), step coordinate cut first.
     dataset = xarray.open_zarr(path, consolidated=False, chunks=None, drop_variables=["step"])
     dataset = dataset.isel(step=slice(0, committed))
     dataset.attrs["committed_steps"] = committed
     steps = root["step"][:committed] if "step" in root else np.arange(committed)
-    return dataset.assign_coords(step=steps).load()
-  dataset = xarray.open_zarr(path, consolidated=False)
-  dataset = dataset.isel(step=slice(0, committed))
-  return dataset.assign_coords(step=dataset["step"].values) if "step" in dataset else dataset
+    dataset = dataset.assign_coords(step=steps).load()
+  else:
+    dataset = xarray.open_zarr(path, consolidated=False)
+    dataset = dataset.isel(step=slice(0, committed))
+    dataset = dataset.assign_coords(step=dataset["step"].values)
+  keys = {name: dataset[name].attrs.pop("key") for name in dataset.data_vars
+          if "key" in dataset[name].attrs}
+  return dataset.rename_vars(keys)
+
+
+def _key(name: str, array) -> str:
+  """The variable name of a zarr array of a run: its `key` attribute, else its name."""
+  return array.attrs.get("key", name)
