@@ -466,6 +466,29 @@ def test_nnx_state_changed_inside_a_reap_reaches_the_callers_module():
   assert not np.allclose(mean, 0)
 
 
+def test_stock_nnx_linear_with_dense_dot_general_gives_per_example_norms():
+  # Stock modules: nnx.Linear computes as always; its product is a dense-layer record.
+  rngs = nnx.Rngs(1)
+  layers = [nnx.Linear(4, 5, dot_general=gl.dense_dot_general(name="fc1"), rngs=rngs),
+            nnx.Linear(5, 3, dot_general=gl.dense_dot_general(name="fc2"), rngs=rngs)]
+  x, t = jax.random.normal(jax.random.key(2), (6, 4)), jax.random.normal(jax.random.key(3), (6, 3))
+
+  def loss(layers, x, t):
+    return jnp.mean(jnp.sum((layers[1](jnp.tanh(layers[0](x))) - t) ** 2, -1))
+
+  records = nnx.jit(lambda m, x, t: gl.reap(nnx.grad(loss))(m, x, t))(layers, x, t)
+  # True computation: per-example gradients of the module's parameters.
+  graphdef, state = nnx.split(layers)
+  per_example = jax.vmap(jax.grad(lambda p, x, t: loss(nnx.merge(graphdef, p), x[None], t[None])),
+                         in_axes=(None, 0, 0))(state, x, t)
+  squares = sum(jnp.sum(g.reshape(6, -1) ** 2, 1) for g in jax.tree.leaves(per_example))
+  np.testing.assert_allclose(gl.per_example_norms(records).total, jnp.sqrt(squares), rtol=1e-5)
+  with pytest.raises(ValueError, match=r"dense_dot_general\(name='fc'\): got out_sharding=.*"
+                     r"jax.lax.with_sharding_constraint"):
+    gl.dense_dot_general(name="fc")(x, jnp.ones((4, 2)), (((1,), (0,)), ((), ())),
+                                    out_sharding=jax.sharding.PartitionSpec())
+
+
 # Equinox.
 
 

@@ -193,9 +193,10 @@ def dense_dot_general(
 ) -> Callable[..., jax.Array]:
   """Returns a `dot_general` that records its operands as a dense layer.
 
-  For Flax linen's `nn.Dense(features, dot_general=...)`, which computes
+  For Flax linen's `nn.Dense(features, dot_general=...)` and Flax NNX's stock
+  `nnx.Linear(din, dout, dot_general=..., rngs=...)`, which compute
   `dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))` and then
-  adds its bias. The record holds no bias; `bias` says whether the layer adds one,
+  add their bias. The record holds no bias; `bias` says whether the layer adds one,
   so that the analyses count the bias's per-example gradient (the sum of `g` over
   positions, exact because the bias is added right after the product).
 
@@ -215,7 +216,13 @@ def dense_dot_general(
     Array([2., 2.], dtype=float32)
   """
 
-  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                  out_sharding=None):
+    if out_sharding is not None:  # NNX 0.12 passes out_sharding=None by default.
+      raise ValueError(
+          f"dense_dot_general(name={name!r}): got out_sharding={out_sharding}, which a "
+          "recorded layer does not take. Call the layer without out_sharding and shard "
+          "its output with jax.lax.with_sharding_constraint.")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     expected = (((lhs.ndim - 1,), (0,)), ((), ()))
