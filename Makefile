@@ -10,7 +10,15 @@
 #   make test-set SET=jax-0.10.2
 #   make bench-set SET=jax-0.10.2
 # Sets on Oryx's main branch install Oryx with --no-deps from the wheel in
-# $(SHARED_ORYX)/COMMIT/ where it exists (CI, machines without GitHub), else from git.
+# $(SHARED_ORYX)/COMMIT/ or dist/oryx-COMMIT/ where one exists (CI, machines without
+# GitHub), else from git.
+#
+# Installing elsewhere (oryx_gradlog is not on the package index):
+#   make wheel                 dist/oryx_gradlog-VERSION-py3-none-any.whl, to pip install
+#   make oryx-wheel ORYX_COMMIT=9b9ef13 [ORYX_REPO=path/to/oryx-clone-or-bundle]
+#                              dist/oryx-9b9ef13/oryx-*.whl, Oryx main built from a clone;
+#                              with no package index either, add
+#                              PIP_WHEEL_FLAGS=--no-build-isolation (needs poetry-core)
 PYTHON ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
@@ -22,7 +30,7 @@ SHARED_ORYX ?= ../shared/oryx
 ORYX_COMMIT_jax-0.8.2 = aa33090
 ORYX_COMMIT_jax-0.10.2 = 9b9ef13
 
-.PHONY: demo test bench test-all test-set bench-set clean
+.PHONY: demo test bench test-all test-set bench-set wheel oryx-wheel clean
 
 demo: $(VENV)/.installed
 	$(BIN)/python examples/08_digits_training.py --run-dir runs/digits
@@ -48,10 +56,25 @@ bench-set: .venv-$(SET)/.installed
 .venv-%/.installed: setup.cfg pyproject.toml constraints/%.txt
 	$(MAKE) --no-print-directory .venv-install DIR=.venv-$* SET=$*
 
+wheel:
+	$(PYTHON) -m pip wheel --no-deps $(PIP_WHEEL_FLAGS) -w dist .
+
+# Oryx main at $(ORYX_COMMIT) as a wheel, from a clone of ORYX_REPO: a folder or a
+# `git bundle` copied from a machine that reaches GitHub (default: the bundle in
+# $(SHARED_ORYX) where there is one, else GitHub).
+ORYX_REPO ?= $(or $(wildcard $(SHARED_ORYX)/oryx-main.bundle),https://github.com/jax-ml/oryx)
+oryx-wheel:
+	@test -n "$(ORYX_COMMIT)" || { echo "make oryx-wheel: pass ORYX_COMMIT=... or SET=jax-0.10.2"; exit 2; }
+	rm -rf build/oryx-$(ORYX_COMMIT) dist/oryx-$(ORYX_COMMIT)
+	git clone --quiet --no-checkout $(ORYX_REPO) build/oryx-$(ORYX_COMMIT)
+	git -C build/oryx-$(ORYX_COMMIT) -c advice.detachedHead=false checkout --quiet $(ORYX_COMMIT)
+	$(PYTHON) -m pip wheel --no-deps $(PIP_WHEEL_FLAGS) -w dist/oryx-$(ORYX_COMMIT) build/oryx-$(ORYX_COMMIT)
+
 # Installs set $(SET) into $(DIR) from scratch.
 ORYX_COMMIT = $(ORYX_COMMIT_$(SET))
 ORYX_EXTRA = $(if $(ORYX_COMMIT),oryx-main,oryx-release)
-ORYX_SOURCE = $(or $(wildcard $(SHARED_ORYX)/$(ORYX_COMMIT)/oryx-*.whl),oryx @ git+https://github.com/jax-ml/oryx@$(ORYX_COMMIT))
+ORYX_WHEEL = $(firstword $(wildcard $(SHARED_ORYX)/$(ORYX_COMMIT)/oryx-*.whl dist/oryx-$(ORYX_COMMIT)/oryx-*.whl))
+ORYX_SOURCE = $(or $(ORYX_WHEEL),oryx @ git+https://github.com/jax-ml/oryx@$(ORYX_COMMIT))
 .PHONY: .venv-install
 .venv-install:
 	rm -rf $(DIR)
@@ -63,4 +86,4 @@ ORYX_SOURCE = $(or $(wildcard $(SHARED_ORYX)/$(ORYX_COMMIT)/oryx-*.whl),oryx @ g
 	touch $(DIR)/.installed
 
 clean:
-	rm -rf $(VENV) $(addprefix .venv-,$(SETS)) build *.egg-info
+	rm -rf $(VENV) $(addprefix .venv-,$(SETS)) build dist *.egg-info

@@ -48,6 +48,7 @@ def test_a_failing_probe_is_an_import_error_with_the_install_lines():
   assert ('pip install --no-deps "oryx @ git+https://github.com/jax-ml/oryx@9b9ef13"'
           in first[1])
   assert 'pip install "jax==0.5.0" "jaxlib==0.5.0" "oryx==0.2.9"' in message
+  assert "Without GitHub, build Oryx main's wheel from a copied clone" in message
 
 
 def test_both_tensorflow_probability_packages_are_named_in_the_error():

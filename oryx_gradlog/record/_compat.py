@@ -76,6 +76,8 @@ def unsupported_message(error: BaseException, installed=_version) -> str:
          if both else "")
       + "Install the set for your JAX (README, 'Versions'):\n"
       + install_lines(installed("jax"))
+      + "\nWithout GitHub, build Oryx main's wheel from a copied clone with "
+      "`make oryx-wheel ORYX_COMMIT=... ORYX_REPO=path/to/clone` (README, 'Versions')."
   )
 
 
