@@ -74,9 +74,8 @@ def main(argv=None):
   args, _ = parser.parse_known_args(argv)
   steps = 30 if args.quick else args.steps
 
-  digits = load_digits()
-  x_all = jnp.asarray(digits.data / 16.0, jnp.float32)
-  y_all = jnp.asarray(digits.target)
+  x_all, y_all = load_digits(return_X_y=True)
+  x_all, y_all = jnp.asarray(x_all / 16.0, jnp.float32), jnp.asarray(y_all)
   model = Classifier(rngs=nnx.Rngs(0))
   schedule = optax.cosine_decay_schedule(LR, steps)
   optimizer = nnx.Optimizer(model, optax.adam(schedule), wrt=nnx.Param)
