@@ -622,9 +622,15 @@ def _committed_of(root) -> int:
 def open_run(run_dir: str | os.PathLike):
   """Opens a run as an `xarray.Dataset` of its committed steps, with its metadata.
 
-  Variables are the logged leaves (`dense.summary.norm`, ...), indexed by `step`
-  (the step numbers passed to `append`) and the dims given to `RunLog`; `attrs` holds
-  `config`, `versions`, `committed_steps` and `dropped_steps`.
+  Variables are the logged leaves (`dense.summary.norm`, ...), under the names they
+  were logged with (`"opt/lr"` included), indexed by `step` (the step numbers passed
+  to `append`) and the dims given to `RunLog`; `attrs` holds `config`, `versions`,
+  `committed_steps` and `dropped_steps`.
+
+  Raises:
+    FileNotFoundError: `run_dir` holds no run.
+    ValueError: the run has no committed step yet (a live run before its first
+      write).
   """
   xarray = _require("xarray", "open_run")
   path = os.path.join(os.fspath(run_dir), STORE_NAME)
