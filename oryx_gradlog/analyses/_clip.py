@@ -47,15 +47,15 @@ import jax
 import jax.numpy as jnp
 
 from oryx_gradlog.analyses import _ghost
-from oryx_gradlog.record import _layers
 from oryx_gradlog.analyses._curvature import LayerParams
+from oryx_gradlog.record import _layers, _view
 from oryx_gradlog.record._layers import CONV2D, LayerInputs
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["layers", "norms"],
-    meta_fields=["l2_norm_clip", "reduction", "batch_size"],
+    meta_fields=["l2_norm_clip", "reduction", "batch_size", "param_tree"],
 )
 @dataclasses.dataclass(frozen=True)
 class ClippedGrads:
@@ -77,6 +77,19 @@ class ClippedGrads:
   l2_norm_clip: float
   reduction: str
   batch_size: int
+  param_tree: Any = None
+
+  @property
+  def params(self) -> Any:
+    """The clipped gradient shaped like the parameters, from records that
+    `gl.record_layers` found (zeros for a parameter no use reads)."""
+    if self.param_tree is None:
+      raise ValueError(
+          "ClippedGrads.params: these records were not found by gl.record_layers, so "
+          "the parameters' structure is unknown. Use gl.to_param_tree(clipped.layers, "
+          "params, where) for hand-marked layers.")
+    return self.param_tree.unflatten(
+        {path: layer.w for path, layer in self.layers.items()})
 
   @property
   def factors(self) -> jax.Array:
@@ -101,7 +114,7 @@ def _layer_function(layer: LayerInputs, lead: int):
 def _record_function(record):
   """`((w, b) -> the recorded layer's output, calls)`, vmapped over the call axes."""
   layer = record.primals[0]
-  calls = _layers.call_axes(record)
+  calls = _view.call_axes(record)
   # The example axis follows the call axes; for a conv2d applied per example under a
   # vmap, the vmapped axes come before the conv's own four.
   lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
@@ -203,23 +216,51 @@ def clipped_grads(
   if not l2_norm_clip > 0:
     raise ValueError(
         f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
-  squares, _, views = _ghost.squared_norms(
+  squares, _, selection, sizes = _ghost.squared_norms(
       api, records, reduction=reduction, names=names, tied=tied, method=method,
       kinds=_ghost.NORM_KINDS)
-  batch_sizes = {view.batch_size for view in views.values()}
-  if len(batch_sizes) != 1:
-    raise ValueError(
-        f"{api}: the layer records have batch sizes {sorted(batch_sizes)}, by name "
-        f"{ {name: view.batch_size for name, view in views.items()} }; clipping needs "
-        "every layer of one batch. Reap one backward pass of one batch loss.")
-  (batch_size,) = batch_sizes
+  batch_size = one_batch_size(api, sizes)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
   norms = jnp.sqrt(total)
   factors = clip_factors(norms, l2_norm_clip)
-  tied = _ghost.check_tied(api, records, tied)
-  layers = {name: _clipped_layer(records[name], factors, name in tied)
-            for name in squares}
-  return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size)
+  layers = {name: _clipped_layer(record, factors, name in selection.tied)
+            for name, record in selection.hand.items()}
+  found = weighted_params(selection, factors)
+  layers.update({path: LayerParams(grad, None) for path, grad in found.items()})
+  return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size,
+                      param_tree(selection))
+
+
+def one_batch_size(api: str, sizes: dict[str, int]) -> int:
+  """The one batch size of the layers analysed, else an error listing them."""
+  if len(set(sizes.values())) != 1:
+    raise ValueError(
+        f"{api}: the layer records have batch sizes {sorted(set(sizes.values()))}, by "
+        f"name {sizes}; the analysis needs every layer of one batch. Reap one backward "
+        "pass of one batch loss.")
+  return next(iter(sizes.values()))
+
+
+def weighted_params(selection: _view.Selection, factors: jax.Array) -> dict[str, jax.Array]:
+  """Per found parameter path, `sum_i c_i grad_i` (of the recorded loss): each use's
+  vjp at the cotangent `c g`, mapped to the parameters and summed over uses."""
+  totals: dict[str, jax.Array] = {}
+  done = set()
+  for uses in selection.found.values():
+    for use in uses:
+      if use.name in done:
+        continue
+      done.add(use.name)
+      for path, grad in use.to_params(use.weighted(factors), lead=0).items():
+        totals[path] = totals[path] + grad if path in totals else grad
+  return {path: totals[path] for path in selection.found if path in totals}
+
+
+def param_tree(selection: _view.Selection):
+  """The parameters' tree of the found records (`None` without found records)."""
+  for uses in selection.found.values():
+    return uses[0].spec.tree
+  return None
 
 
 def _split_field(where: Any) -> tuple[str, str] | None:

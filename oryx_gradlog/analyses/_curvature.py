@@ -58,8 +58,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from oryx_gradlog.analyses import _ghost
-from oryx_gradlog.record import _layers
-from oryx_gradlog.record._layers import DENSE, Positions
+from oryx_gradlog.record._layers import DENSE
+from oryx_gradlog.record._view import LayerView
 
 _APPROXIMATIONS = ("expand", "reduce")
 
@@ -99,14 +99,13 @@ class LayerParams:
 
 
 def _dense_views(api, records, names, tied, reduction):
-  _ghost.check_reduction(api, reduction)
-  tied = _ghost.check_tied(api, records, tied)
-  for name in _layers.select(api, records, names, (DENSE,)):
-    view = _layers.positions(api, name, records[name], tied=name in tied)
+  views, _ = _ghost.layer_views(api, records, reduction=reduction, names=names, tied=tied,
+                                method="auto", kinds=(DENSE,))
+  for name, view in views.items():
     yield name, view, _ghost.loss_scale(reduction, view.batch_size)
 
 
-def _unstack(view: Positions, x: jax.Array) -> jax.Array:
+def _unstack(view: LayerView, x: jax.Array) -> jax.Array:
   return x.reshape(view.stack_shape + x.shape[1:])
 
 

@@ -55,8 +55,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.record import _layers
-from oryx_gradlog.record._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM, Positions
+from oryx_gradlog.record import _view
+from oryx_gradlog.record._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM
+from oryx_gradlog.record._view import FoundUse, LayerView
 
 GRAM, MATERIALIZED = "gram", "materialized"
 _METHODS = ("auto", GRAM, MATERIALIZED)
@@ -105,24 +106,58 @@ def loss_scale(reduction: str, batch_size: int) -> float:
   return float(batch_size) if reduction == "mean" else 1.0
 
 
-def choose_method(view: Positions, method: str) -> str:
+def costs(kind: str, batch: int, positions: int, d_in: int, d_out: int,
+          vocabulary: int = 0) -> dict[str, tuple[int, int]]:
+  """Per method, `(multiply-adds, floats held)` of a layer's per-example squared norms.
+
+  Gram: `B T^2 (d_in + d_out)` multiply-adds and two `(B, T, T)` Gram matrices;
+  materialised: `B T d_in d_out` and the `(B, d_in, d_out)` per-example gradients
+  (an embedding: the scatter of `B T d` rows into `B` tables of `V d`). With `T = 1`
+  the Gram form is `|x_i|^2 |g_i|^2`.
+  """
+  b, t = batch, positions
+  if kind == EMBED:
+    gram = (b * t * t * (d_out + 1), b * t * t)
+    materialized = (b * (t + vocabulary) * d_out, b * vocabulary * d_out)
+  else:
+    gram = (b * t * t * (d_in + d_out), 2 * b * t * t)
+    materialized = (b * t * d_in * d_out, b * d_in * d_out)
+  return {GRAM: gram, MATERIALIZED: materialized}
+
+
+def cheaper(kind: str, batch: int, positions: int, d_in: int, d_out: int,
+            vocabulary: int = 0) -> str:
+  """The method `"auto"` chooses: materialised only where it takes fewer
+  multiply-adds *and* holds no more than the Gram form or the layer's activations."""
+  cost = costs(kind, batch, positions, d_in, d_out, vocabulary)
+  activations = batch * positions * (d_out if kind == EMBED else d_in + d_out)
+  (gram_macs, gram_floats), (mat_macs, mat_floats) = cost[GRAM], cost[MATERIALIZED]
+  if mat_macs < gram_macs and mat_floats <= max(gram_floats, activations):
+    return MATERIALIZED
+  return GRAM
+
+
+def choose_method(view: LayerView, method: str) -> str:
   """Gram form or materialised per-example gradients, whichever costs less."""
   if view.kind == LAYER_NORM:  # Its per-example gradient is one (d,) vector.
     return MATERIALIZED
   if method != "auto":
     return method
-  t, d_out = view.g.shape[2], view.g.shape[3]
-  if view.kind == EMBED:  # Gram T^2 (d + 1) against a (vocabulary, d) table.
-    return GRAM if t * t * (d_out + 1) <= view.vocabulary * d_out else MATERIALIZED
-  d_in = view.x.shape[3]
-  return GRAM if t * (d_in + d_out) <= d_in * d_out else MATERIALIZED
+  b, t, d_out = view.g.shape[1:]
+  d_in = 1 if view.kind == EMBED else view.x.shape[3]
+  return cheaper(view.kind, b, t, d_in, d_out, view.vocabulary)
+
+
+def as_float(x: jax.Array) -> jax.Array:
+  """`x` in at least float32."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def dot(spec, a, b):
   return jnp.einsum(spec, a, b, precision=HIGHEST)
 
 
-def weight_squared_norms(view: Positions, method: str) -> jax.Array:
+def weight_squared_norms(view: LayerView, method: str) -> jax.Array:
   """`(S, B)` squared norms of `sum_t x_t^T g_t` (unscaled), for the weight."""
   x, g = view.x, view.g
   if view.kind == LAYER_NORM:  # Element-wise scale: sum_t xhat_t * g_t.
@@ -148,31 +183,82 @@ def weight_squared_norms(view: Positions, method: str) -> jax.Array:
 def squared_norms(
     api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
     tied: Collection[str], method: str, kinds: Sequence[str] = (DENSE, CONV2D, EMBED),
-) -> tuple[dict[str, jax.Array], dict[str, str], dict[str, Positions]]:
-  """Per layer, `(*calls, B)` squared per-example norms (of `l_i`), methods and views."""
-  views, _ = layer_views(api, records, reduction=reduction, names=names, tied=tied,
-                         method=method, kinds=kinds)
-  methods = {name: choose_method(view, method) for name, view in views.items()}
-  squares = {name: view_squared_norms(view, methods[name], reduction)
-             for name, view in views.items()}
-  return squares, methods, views
+) -> tuple[dict[str, jax.Array], dict[str, str], _view.Selection, dict[str, int]]:
+  """Per-example squared norms (of `l_i`'s gradient) of the selected layers.
+
+  Returns `(squares, methods, selection, batch_sizes)`: per hand-marked record name
+  `(*calls, B)` squares, per found parameter path `(B,)`; the method of each; the
+  records read; and the batch size of each.
+  """
+  selection = select(api, records, reduction=reduction, names=names, tied=tied,
+                     method=method, kinds=kinds)
+  squares, methods, sizes = {}, {}, {}
+  for name, record in selection.hand.items():
+    view = _view.positions(api, name, record, tied=name in selection.tied)
+    methods[name] = choose_method(view, method)
+    squares[name] = view_squared_norms(view, methods[name], reduction)
+    sizes[name] = view.batch_size
+  for path, uses in selection.found.items():
+    squares[path], methods[path] = found_squared_norms(path, uses, method, reduction)
+    sizes[path] = uses[0].batch_size
+  return squares, methods, selection, sizes
+
+
+def select(api: str, records: dict[str, Any], *, reduction: str,
+           names: Sequence[str] | None, tied: Collection[str], method: str,
+           kinds: Sequence[str], found_kinds: Sequence[str] | None = None,
+           ) -> _view.Selection:
+  """Checks the arguments of an analysis; returns the records it reads."""
+  check_reduction(api, reduction)
+  if method not in _METHODS:
+    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
+  return _view.collect(api, records, names, kinds, tied, found_kinds)
 
 
 def layer_views(
     api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
     tied: Collection[str], method: str, kinds: Sequence[str],
-) -> tuple[dict[str, Positions], set[str]]:
-  """Checks the arguments; returns the selected layers' views and the tied names."""
-  check_reduction(api, reduction)
-  if method not in _METHODS:
-    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
-  tied = check_tied(api, records, tied)
-  views = {name: _layers.positions(api, name, records[name], tied=name in tied)
-           for name in _layers.select(api, records, names, kinds)}
-  return views, tied
+) -> tuple[dict[str, LayerView], set[str]]:
+  """The hand-marked layers' views and the tied names (for analyses of those only)."""
+  selection = select(api, records, reduction=reduction, names=names, tied=tied,
+                     method=method, kinds=kinds)
+  if selection.found:
+    raise ValueError(
+        f"{api}: takes hand-marked layer records only (gl.dense, gl.conv2d, gl.embed, "
+        f"gl.layer_norm) so far; the records of parameters {sorted(selection.found)} were "
+        "found by gl.record_layers. Pass names=[...] to leave them out.")
+  views = {name: _view.positions(api, name, record, tied=name in selection.tied)
+           for name, record in selection.hand.items()}
+  return views, selection.tied
 
 
-def view_squared_norms(view: Positions, method: str, reduction: str) -> jax.Array:
+def found_squared_norms(path: str, uses: list[FoundUse], method: str,
+                        reduction: str) -> tuple[jax.Array, str]:
+  """`(B,)` per-example squared norms of parameter `path`'s gradient, and the method.
+
+  One use of a view of the parameter that is dense, a convolution or an embedding
+  takes the Gram form or materialises, as the cost model says; any other use, and a
+  parameter with several uses (tied weights: cross terms), materialises the uses'
+  per-example gradients, maps them to the parameter and sums them.
+  """
+  batch = uses[0].batch_size
+  scale = loss_scale(reduction, batch)
+  if len(uses) == 1 and uses[0].simple:
+    view = uses[0].view()
+    if view is not None:
+      chosen = choose_method(view, method)
+      square = view_squared_norms(view, chosen, reduction)
+      return jnp.sum(square.reshape(-1, batch), axis=0), chosen
+  total = None
+  for use in uses:
+    grad = use.to_params(use.per_example(), lead=1)[path]
+    total = grad if total is None else total + grad
+  total = as_float(total)
+  square = jnp.sum(total.reshape(batch, -1) ** 2, axis=1)
+  return (scale * scale) * square, MATERIALIZED
+
+
+def view_squared_norms(view: LayerView, method: str, reduction: str) -> jax.Array:
   """`(*calls, B)` squared per-example norms of `l_i`'s gradient for one layer view."""
   square = weight_squared_norms(view, method)
   if view.groups > 1:
@@ -233,7 +319,7 @@ def per_example_norms(
     >>> bool(jnp.allclose(norms.total, jnp.linalg.norm(flat(per_example), axis=1)))
     True
   """
-  squares, methods, _ = squared_norms(
+  squares, methods, _, _ = squared_norms(
       "per_example_norms", records, reduction=reduction, names=names, tied=tied,
       method=method, kinds=NORM_KINDS)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())

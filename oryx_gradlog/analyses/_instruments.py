@@ -53,7 +53,7 @@ import jax.numpy as jnp
 
 from oryx_gradlog.analyses import _clip, _curvature, _ghost
 from oryx_gradlog.analyses._curvature import LayerParams
-from oryx_gradlog.record import _layers
+from oryx_gradlog.record import _view
 from oryx_gradlog.record._layers import CONV2D, DENSE
 
 
@@ -263,7 +263,7 @@ def gradient_snr(
   tied = _ghost.check_tied(api, records, tied)
   layers, layer_means = {}, {}
   for name, variance in variances.items():
-    batch = records[name].out_cotangent.shape[_layers.call_axes(records[name])]
+    batch = records[name].out_cotangent.shape[_view.call_axes(records[name])]
     gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch,
                          tied=name in tied)
     snr = jax.tree.map(lambda m, v: _ratio(m * m, v), gbar, variance)

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oryx_gradlog.record import _layers
+from oryx_gradlog.record import _view
 from oryx_gradlog.record._record import VJPRecord
 
 COTANGENT, INPUTS, OUTPUT = "cotangent", "inputs", "output"
@@ -191,8 +191,8 @@ def _entries(records, order):
 def _call_axes(name, record, call_axes):
   if isinstance(call_axes, Mapping) and name in call_axes:
     return int(call_axes[name])
-  if _layers.is_layer_record(record):
-    return _layers.call_axes(record)
+  if _view.is_layer_record(record) or _view.is_found_record(record):
+    return _view.call_axes(record)
   return 0 if isinstance(call_axes, Mapping) or call_axes is None else int(call_axes)
 
 
@@ -285,7 +285,7 @@ def _calls_shape(name, record, n):
 
 def _infer_batch_size(entries, records, axes):
   names = [n for e in entries for n in e]
-  layers = [n for n in names if _layers.is_layer_record(records[n])]
+  layers = [n for n in names if _view.is_layer_record(records[n])]
   for name in layers + names:
     for leaf in _float_leaves(_parts(records[name])[-1][1]) + _float_leaves(records[name]):
       if jnp.ndim(leaf) > axes[name]:
