@@ -20,8 +20,15 @@ from oryx_gradlog.analyses._accounting import (
 )
 from oryx_gradlog.analyses._clip import (
     ClippedGrads,
+    clipped_grad,
     clipped_grads,
     to_param_tree,
+)
+from oryx_gradlog.analyses._coverage import (
+    LayerCoverage,
+    ParamCoverage,
+    UseCoverage,
+    layer_coverage,
 )
 from oryx_gradlog.analyses._cockpit import (
     InstrumentsState,
@@ -87,6 +94,10 @@ from oryx_gradlog.record._reap import (
     call_and_reap,
     reap,
 )
+from oryx_gradlog.record._record_layers import (
+    LayerUse,
+    record_layers,
+)
 from oryx_gradlog.record._record import (
     VJPRecord,
     record_vjp,
@@ -124,11 +135,14 @@ __all__ = (
     "InstrumentsState",
     "InstrumentsTransform",
     "KFACFactors",
+    "LayerCoverage",
     "LayerInputs",
     "LayerParams",
+    "LayerUse",
     "Logged",
     "MovingAverage",
     "NoiseScale",
+    "ParamCoverage",
     "NonFiniteReport",
     "PerExampleNorms",
     "PoissonBatch",
@@ -136,10 +150,12 @@ __all__ = (
     "RunningStats",
     "StatisticsTransform",
     "Summary",
+    "UseCoverage",
     "VJPRecord",
     "add_dp_noise",
     "batch_size_tests",
     "call_and_reap",
+    "clipped_grad",
     "clipped_grads",
     "conv2d",
     "dense",
@@ -156,6 +172,7 @@ __all__ = (
     "hessian_max_eigenvalue",
     "hessian_trace",
     "kfac_factors",
+    "layer_coverage",
     "layer_norm",
     "magnitude_bins",
     "moving_average",
@@ -164,6 +181,7 @@ __all__ = (
     "poisson_batch",
     "raise_if_nonfinite",
     "reap",
+    "record_layers",
     "record_vjp",
     "report",
     "running_statistics",

@@ -18,13 +18,22 @@ Under `jit`, reap with `gl.reap` (not `call_and_reap`) and leave the reaped weig
 cotangents unused: XLA then drops the backward pass's own weight gradients, and the
 step costs about what a plain gradient does.
 
-`to_param_tree` places the per-layer results into the structure of the parameters.
+The same holds for every use `gl.record_layers` finds in a model's jaxpr: the
+operation's vjp at `c g`, mapped back to the parameters through the views and
+functions of parameters that made its operand, summed over the uses of each
+parameter. `clipped_grad(loss, l2_norm_clip=...)` does all of it for any model and
+is used like `jax.grad`; `ClippedGrads.params` is the clipped gradient shaped like
+the parameters. For hand-marked layers, `to_param_tree` places the per-layer
+results into the structure of the parameters.
 
 Sharp edges:
   * The privacy guarantee covers only the parameters whose gradients come out of
-    `clipped_grads`. Every trainable parameter must be in a marked layer; a
-    parameter used outside one (a plain matmul, a tied output projection) would
-    get no clipped gradient: `to_param_tree` raises for it.
+    `clipped_grads`. With hand-marked layers every trainable parameter must be in a
+    marked layer (`to_param_tree` raises for one that is not); `clipped_grad` and
+    `gl.record_layers` find every use, and a use with no per-example gradient (a
+    weight-decay term in the loss, batch norm) is an error that names it.
+  * A parameter that no use reads (it never meets the batch) gets a zero gradient
+    from `clipped_grad`; `gl.layer_coverage` lists such parameters.
   * Calls of one name under `scan` have their own weights: results have the call
     axes in front, like the stacked weights. Pass `tied=(name,)` for calls that
     share one weight; their gradients are summed over the calls.
@@ -40,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -212,7 +221,11 @@ def clipped_grads(
     >>> clipped.layers["fc"].w, clipped.norms
     (Array([[1.5]], dtype=float32), Array([3. , 0.5], dtype=float32))
   """
-  api = "clipped_grads"
+  return _clipped("clipped_grads", records, l2_norm_clip=l2_norm_clip,
+                  reduction=reduction, names=names, tied=tied, method=method)
+
+
+def _clipped(api, records, *, l2_norm_clip, reduction, names, tied, method):
   if not l2_norm_clip > 0:
     raise ValueError(
         f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
@@ -229,6 +242,81 @@ def clipped_grads(
   layers.update({path: LayerParams(grad, None) for path, grad in found.items()})
   return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size,
                       param_tree(selection))
+
+
+_CLIP_TAG = "gradlog_clipped_grad"
+
+
+def clipped_grad(
+    fun: Callable[..., Any],
+    *,
+    l2_norm_clip: float,
+    reduction: str = "mean",
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_norms: bool = False,
+    method: str = "auto",
+) -> Callable[..., Any]:
+  """Returns a function that computes `fun`'s DP-SGD clipped gradient, like `jax.grad`.
+
+  Any model, as it is: the layers are found in `fun`'s jaxpr (`gl.record_layers`),
+  each example's gradient norm comes from one ordinary backward pass, and the
+  clipped gradient `sum_i min(1, C / |grad_i|) grad_i` (divided by the batch size
+  for `reduction="mean"`) from one vjp per layer. Padding examples that the loss
+  weights by 0 (as `gl.poisson_batch` makes them) have a zero gradient and add
+  nothing.
+
+  Args:
+    fun: the batch loss, e.g. `loss(params, x, y)`: the mean (or, with
+      `reduction="sum"`, the sum) of per-example losses over the leading axis of
+      the batch arguments.
+    l2_norm_clip: the clip norm `C`.
+    reduction: `"mean"` or `"sum"`, how `fun` combines the per-example losses.
+    argnums: the parameter argument(s), as for `jax.grad`.
+    batch_argnums: the arguments holding the batch (default: all others).
+    has_aux: whether `fun` returns `(loss, aux)`, as for `jax.grad`.
+    return_norms: also return the `(batch,)` per-example gradient norms.
+    method: how norms are computed (see `per_example_norms`).
+
+  Returns:
+    A function with `fun`'s signature returning the clipped gradient shaped like
+    the parameters; `(grads, norms)` with `return_norms`; and `(..., aux)` with
+    `has_aux`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.sum(x @ w)  # grad_i = x_i
+    >>> x = jnp.array([[3.0], [0.5]])  # norms 3 and 0.5: 3 is clipped to 1
+    >>> gl.clipped_grad(loss, l2_norm_clip=1.0, reduction="sum")(jnp.ones((1, 1)), x)
+    Array([[1.5]], dtype=float32)
+  """
+  from oryx_gradlog.record._reap import call_and_reap  # pylint: disable=g-import-not-at-top
+  from oryx_gradlog.record._record_layers import record_layers  # pylint: disable=g-import-not-at-top
+  api = "clipped_grad"
+  if not l2_norm_clip > 0:
+    raise ValueError(
+        f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
+  _ghost.check_reduction(api, reduction)
+  recorded = record_layers(fun, argnums=argnums, batch_argnums=batch_argnums,
+                           tag=_CLIP_TAG)
+  grad = call_and_reap(jax.grad(recorded, argnums=argnums, has_aux=has_aux), tag=_CLIP_TAG)
+
+  @functools.wraps(fun)
+  def clipped(*args, **kwargs):
+    out, records = grad(*args, **kwargs)
+    if not records:
+      raise ValueError(
+          f"{api}: no parameter of argnums={argnums} meets the batch in the function, "
+          "so there is nothing to clip. Check argnums and batch_argnums.")
+    result = _clipped(api, records, l2_norm_clip=l2_norm_clip, reduction=reduction,
+                      names=None, tied=(), method=method)
+    grads = result.params
+    if return_norms:
+      grads = (grads, result.norms)
+    return (grads, out[1]) if has_aux else grads
+
+  return clipped
 
 
 def one_batch_size(api: str, sizes: dict[str, int]) -> int:

@@ -246,13 +246,23 @@ class UseSpec:
   @property
   def paths(self) -> tuple[str, ...]:
     """The parameter leaves this use reads, by name."""
-    lineages = self.lineages if self.chain is None else self.chain.inputs
-    return tuple(dict.fromkeys(l.path for l in lineages if l is not None))
+    return _paths((*self.lineages, self.chain))
 
   def apply(self, operands: Sequence[Any]) -> Any:
     """The use's output for `operands` (a tuple where the primitive has several)."""
     outs = _internals.bind_eqn(self.primitive, self.params, list(operands))
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _paths(lineages) -> tuple[str, ...]:
+  """The parameter paths of lineages and chains, in order, once each."""
+  paths = []
+  for lineage in lineages:
+    if isinstance(lineage, Lineage):
+      paths.append(lineage.path)
+    elif isinstance(lineage, Chain):
+      paths.extend(_paths(lineage.inputs))
+  return tuple(dict.fromkeys(paths))
 
 
 @functools.partial(
@@ -365,8 +375,7 @@ class _Use:
   reason: str = ""
 
   def paths(self) -> tuple[str, ...]:
-    lineages = self.chain.inputs if self.chain is not None else self.lineages
-    return tuple(dict.fromkeys(l.path for l in lineages if isinstance(l, Lineage)))
+    return _paths((*self.lineages, self.chain))
 
 
 class _TraceMismatch(Exception):
@@ -420,6 +429,22 @@ def _join(infos, batch=None) -> Info:
   return Info(params=frozenset().union(*(i.params for i in infos)),
               data=any(i.data for i in infos), batch=batch,
               coupled=any(i.coupled for i in infos))
+
+
+def _chain_of(invocation, eqn, ins, target) -> Chain:
+  """The chain computing `target` (an output of `eqn`) from its inputs' lineages."""
+  keys, eqns = {}, {}
+  for var, info in zip(eqn.invars, ins):
+    if isinstance(var, jax.extend.core.Literal):
+      continue
+    if isinstance(info.lineage, Chain):
+      for key, lineage in zip(info.lineage.keys, info.lineage.inputs):
+        keys.setdefault(key, lineage)
+      eqns.update((id(e), e) for e in info.lineage.eqns)
+    else:
+      keys.setdefault((invocation, var), info.lineage if info.is_param else None)
+  eqns[id(eqn)] = eqn
+  return Chain(tuple(keys), tuple(keys.values()), tuple(eqns.values()), target)
 
 
 def _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
@@ -750,7 +775,7 @@ class Traced:
   batch_size: int
 
 
-class _Signature:
+class Signature:
   """Splits the arguments into parameter, batch, other and static leaves."""
 
   def __init__(self, api, args, kwargs, argnums, batch_argnums):
@@ -860,9 +885,9 @@ def _hashable(x) -> bool:
 
 
 def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
-          cache: dict | None = None) -> tuple[Traced, _Signature]:
+          cache: dict | None = None) -> tuple[Traced, Signature]:
   """Traces `fun` at B and 2B, analyses it and names its uses."""
-  signature = _Signature(api, args, kwargs, argnums, batch_argnums)
+  signature = Signature(api, args, kwargs, argnums, batch_argnums)
   key = signature.key()
   if cache is not None and key in cache:
     return cache[key], signature
@@ -904,7 +929,9 @@ def _name_uses(analysis: _Analysis, tree: ParamTree) -> dict[tuple, UseSpec]:
   counts: dict[str, int] = {}
   specs = {}
   for path, use in sorted(analysis.uses.items()):
-    base = "+".join(use.paths()) or "constant"
+    paths = use.paths()
+    base = "+".join(paths) if len(paths) <= 2 else f"{paths[0]}+{len(paths) - 1}_more"
+    base = base or "constant"
     counts[base] = counts.get(base, 0) + 1
     name = base if counts[base] == 1 else f"{base}@{counts[base]}"
     eqn = use.eqn
