@@ -232,13 +232,13 @@ def _clipped(api, records, *, l2_norm_clip, reduction, names, tied, method):
   squares, _, selection, sizes = _ghost.squared_norms(
       api, records, reduction=reduction, names=names, tied=tied, method=method,
       kinds=_ghost.NORM_KINDS)
-  batch_size = one_batch_size(api, sizes)
+  batch_size = _ghost.one_batch_size(api, sizes)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
   norms = jnp.sqrt(total)
   factors = clip_factors(norms, l2_norm_clip)
   layers = {name: _clipped_layer(record, factors, name in selection.tied)
             for name, record in selection.hand.items()}
-  found = weighted_params(selection, factors)
+  found = selection.weighted(factors)
   layers.update({path: LayerParams(grad, None) for path, grad in found.items()})
   return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size,
                       param_tree(selection))
@@ -317,31 +317,6 @@ def clipped_grad(
     return (grads, out[1]) if has_aux else grads
 
   return clipped
-
-
-def one_batch_size(api: str, sizes: dict[str, int]) -> int:
-  """The one batch size of the layers analysed, else an error listing them."""
-  if len(set(sizes.values())) != 1:
-    raise ValueError(
-        f"{api}: the layer records have batch sizes {sorted(set(sizes.values()))}, by "
-        f"name {sizes}; the analysis needs every layer of one batch. Reap one backward "
-        "pass of one batch loss.")
-  return next(iter(sizes.values()))
-
-
-def weighted_params(selection: _view.Selection, factors: jax.Array) -> dict[str, jax.Array]:
-  """Per found parameter path, `sum_i c_i grad_i` (of the recorded loss): each use's
-  vjp at the cotangent `c g`, mapped to the parameters and summed over uses."""
-  totals: dict[str, jax.Array] = {}
-  done = set()
-  for uses in selection.found.values():
-    for use in uses:
-      if use.name in done:
-        continue
-      done.add(use.name)
-      for path, grad in use.to_params(use.weighted(factors), lead=0).items():
-        totals[path] = totals[path] + grad if path in totals else grad
-  return {path: totals[path] for path in selection.found if path in totals}
 
 
 def param_tree(selection: _view.Selection):

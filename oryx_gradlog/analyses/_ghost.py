@@ -18,17 +18,28 @@ patches of its input (`jax.lax.conv_general_dilated_patches`), one position per
 output pixel; feature groups are independent dense layers.
 
 Everything comes from the layer records (`x`, `g`) of the batch loss's backward pass:
-`gl.reap(jax.grad(loss))(...)` with layers marked by `gl.dense`, `gl.conv2d`,
-`gl.embed`, `gl.layer_norm` (whose scale's per-example gradient is
-`sum_t xhat_it * g_it`, `xhat` the normalised input). Loss convention: the batch
+`gl.reap(jax.grad(gl.record_layers(loss)))(...)` for any model (the uses of each
+parameter found in its jaxpr), or `gl.reap(jax.grad(loss))(...)` with layers marked by
+`gl.dense`, `gl.conv2d`, `gl.embed`, `gl.layer_norm` (whose scale's per-example
+gradient is `sum_t xhat_it * g_it`, `xhat` the normalised input). A found parameter
+used once, through views (reshape, transpose, cast, the slices of a `scan` over
+stacked layers), by a dense, convolution or embedding use takes the Gram form or
+materialises as the cost model says; other uses (element-wise scales and biases,
+generic operations) and parameters with several uses or made by functions of
+parameters have their per-example gradients formed and summed in the parameter's
+space, so tied weights get their cross terms exactly. Loss convention: the batch
 loss is `sum_i l_i` (`reduction="sum"`) or `mean_i l_i` (`reduction="mean"`, the
 default); a per-example gradient is always the gradient of `l_i` itself, so for a
 mean the recorded cotangents are multiplied by the batch size.
 
 Sharp edges:
-  * Only marked layers count: `total` is the norm over the parameters of the layer
-    records analysed, not over parameters used elsewhere (a layer norm applied
-    without `gl.layer_norm`). Mark every layer whose parameters you want in the total.
+  * Only recorded layers count: `total` is the norm over the parameters of the layer
+    records analysed. `gl.record_layers` records every use of every parameter; with
+    hand-marked layers, a parameter used elsewhere (a layer norm applied without
+    `gl.layer_norm`) is not in the total.
+  * Results are keyed by record name for hand-marked layers (weight and bias
+    together, with their call axes) and by parameter path for found records (every
+    use of the parameter together, `(batch,)`).
   * A layer norm's per-example gradient is always formed (it is `(d,)`), whatever
     `method` says; its method is reported as "materialized".
   * Calls of one name are taken to have their own weights (scan over stacked
@@ -204,6 +215,16 @@ def squared_norms(
   return squares, methods, selection, sizes
 
 
+def one_batch_size(api: str, sizes: dict[str, int]) -> int:
+  """The one batch size of the layers analysed, else an error listing them."""
+  if len(set(sizes.values())) != 1:
+    raise ValueError(
+        f"{api}: the layer records have batch sizes {sorted(set(sizes.values()))}, by "
+        f"name {sizes}; the analysis needs every layer of one batch. Reap one backward "
+        "pass of one batch loss.")
+  return next(iter(sizes.values()))
+
+
 def select(api: str, records: dict[str, Any], *, reduction: str,
            names: Sequence[str] | None, tied: Collection[str], method: str,
            kinds: Sequence[str], found_kinds: Sequence[str] | None = None,
@@ -249,10 +270,7 @@ def found_squared_norms(path: str, uses: list[FoundUse], method: str,
       chosen = choose_method(view, method)
       square = view_squared_norms(view, chosen, reduction)
       return jnp.sum(square.reshape(-1, batch), axis=0), chosen
-  total = None
-  for use in uses:
-    grad = use.to_params(use.per_example(), lead=1)[path]
-    total = grad if total is None else total + grad
+  total = _view.Selection({}, {path: uses}, set()).per_example(path)
   total = as_float(total)
   square = jnp.sum(total.reshape(batch, -1) ** 2, axis=1)
   return (scale * scale) * square, MATERIALIZED
@@ -288,18 +306,20 @@ def per_example_norms(
 ) -> PerExampleNorms:
   """Returns the norms of per-example gradients from one backward pass's records.
 
-  Reap the records of the ordinary gradient of the batch loss, with layers marked
-  by `gl.dense`, `gl.conv2d`, `gl.embed`, `gl.layer_norm` (or
-  `gl.dense_dot_general`); per-example gradients are never formed unless
-  materialising is cheaper for a layer (then one layer's at a time). Works under `jit`, `vmap` and with sharded batches.
+  Reap the records of the ordinary gradient of the batch loss, recorded by
+  `gl.record_layers` (any model) or with layers marked by `gl.dense`, `gl.conv2d`,
+  `gl.embed`, `gl.layer_norm` (or `gl.dense_dot_general`); per-example gradients
+  are not formed where a Gram form is cheaper (see the module docstring). Works
+  under `jit`, `vmap` and with sharded batches.
 
   Args:
     records: the dict that `gl.reap` / `gl.call_and_reap` returns.
     reduction: `"mean"` if the loss is `mean_i l_i`, `"sum"` if `sum_i l_i`; the
       norms are those of the gradients of `l_i` either way.
-    names: the layer records to use (default: every layer record; other records,
-      e.g. taps, are left out). A named record that is not a layer is an error.
-    tied: names whose calls share one weight (see "Sharp edges").
+    names: the hand-marked layer records or found parameter paths to use (default:
+      every layer record; other records, e.g. taps, are left out). A named record
+      that is not a layer is an error.
+    tied: hand-marked names whose calls share one weight (see "Sharp edges").
     method: `"auto"` (per layer, the Gram form when `T (d_in + d_out) <= d_in
       d_out`, else materialised), `"gram"` or `"materialized"`.
 

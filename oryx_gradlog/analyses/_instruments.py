@@ -101,12 +101,12 @@ class GradientSNR:
   mean: jax.Array
 
 
-def _one_batch_size(api, views) -> int:
-  batch_sizes = {view.batch_size for view in views.values()}
+def _one_batch_size(api, sizes: dict[str, int]) -> int:
+  batch_sizes = set(sizes.values())
   if len(batch_sizes) != 1 or min(batch_sizes) < 2:
     raise ValueError(
         f"{api}: the layer records have batch sizes "
-        f"{ {name: view.batch_size for name, view in views.items()} }; the tests need one "
+        f"{sizes}; the tests need one "
         "batch size of at least 2 for all the layers analysed. Reap one backward pass of "
         "one batch loss.")
   return batch_sizes.pop()
@@ -123,9 +123,13 @@ def per_example_moments(
     api: str, records: dict[str, Any], *, reduction: str, names, tied, method,
 ) -> tuple[jax.Array, jax.Array, int]:
   """`(n, d, B)`: per example `|grad_i|^2` and `<grad_i, gbar>` over the layers."""
-  views, tied = _ghost.layer_views(api, records, reduction=reduction, names=names,
-                                   tied=tied, method=method, kinds=_ghost.NORM_KINDS)
-  batch_size = _one_batch_size(api, views)
+  selection = _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method=method, kinds=_ghost.NORM_KINDS)
+  views = {name: _view.positions(api, name, record, tied=name in selection.tied)
+           for name, record in selection.hand.items()}
+  sizes = {name: view.batch_size for name, view in views.items()}
+  sizes.update({path: uses[0].batch_size for path, uses in selection.found.items()})
+  batch_size = _one_batch_size(api, sizes)
   scale = _ghost.loss_scale(reduction, batch_size)
   squared, products = 0.0, 0.0
   for name, view in views.items():
@@ -137,9 +141,25 @@ def per_example_moments(
     square = _ghost.view_squared_norms(view, _ghost.choose_method(view, method), reduction)
     squared = squared + jnp.sum(square.reshape(-1, batch_size), axis=0)
     gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch_size,
-                         tied=name in tied)
+                         tied=name in selection.tied)
     products = products + scale * _clip.per_example_inner_products(
-        records[name], gbar, name in tied)
+        records[name], gbar, name in selection.tied)
+  gram_paths = set()
+  for path, uses in selection.found.items():
+    view = uses[0].view() if len(uses) == 1 and uses[0].simple else None
+    if view is not None and _products_method(view, method) == _ghost.GRAM:
+      pairs = (scale * scale) * _gram(view)
+      squared = squared + jnp.diagonal(pairs)
+      products = products + jnp.mean(pairs, axis=1)
+      gram_paths.add(path)
+    else:
+      squared = squared + _ghost.found_squared_norms(path, uses, method, reduction)[0]
+  others = [u for u in selection.uses if not set(u.spec.paths) <= gram_paths]
+  if others:  # <grad_i, gbar> = sum over uses of <g_i, J_i gbar>, by jvps.
+    gbar = {path: (scale / batch_size) * grad
+            for path, grad in selection.weighted(jnp.ones(batch_size)).items()}
+    for use in others:
+      products = products + scale * use.products(use.from_params(gbar))
   return squared, products, batch_size
 
 
@@ -260,12 +280,22 @@ def gradient_snr(
   api = "gradient_snr"
   variances = _curvature.gradient_variance(
       records, reduction=reduction, names=names, tied=tied, chunk_size=chunk_size)
-  tied = _ghost.check_tied(api, records, tied)
+  selection = _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method="auto", kinds=(DENSE,))
+  found = {}
+  if selection.found:
+    batch = selection.uses[0].batch_size
+    scale = _ghost.loss_scale(reduction, batch) / batch
+    found = {path: LayerParams(scale * _ghost.as_float(grad), None)
+             for path, grad in selection.weighted(jnp.ones(batch)).items()}
   layers, layer_means = {}, {}
   for name, variance in variances.items():
-    batch = records[name].out_cotangent.shape[_view.call_axes(records[name])]
-    gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch,
-                         tied=name in tied)
+    if name in found:
+      gbar = found[name]
+    else:
+      batch = records[name].out_cotangent.shape[_view.call_axes(records[name])]
+      gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch,
+                           tied=name in selection.tied)
     snr = jax.tree.map(lambda m, v: _ratio(m * m, v), gbar, variance)
     leaves = jax.tree.leaves(snr)
     layers[name] = snr

@@ -29,6 +29,9 @@ the recorded function. "First in backward order" is the non-finite cotangent at 
 latest position of this forward sequence.
 
 Sharp edges:
+  * Records that `gl.record_layers` found know their forward order (`order` may be
+    omitted); their names are parameter paths, so the site is the use of a
+    parameter nearest the loss whose output cotangent is non-finite.
   * Only cotangents are checked, not primals: a forward-pass NaN (a non-finite loss)
     shows up at the site nearest the loss. Check the loss too.
   * A record's call axes are inferred for layer records (`gl.dense`, ...); for other
@@ -159,7 +162,27 @@ def _float_leaves(tree):
           if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
 
 
+def found_order(records) -> list[str | tuple[str, ...]] | None:
+  """The forward order of records that `gl.record_layers` found (all of them), with
+  the uses in one scan body interleaved; `None` if some record was not found."""
+  if not records or not all(_view.is_found_record(r) for r in records.values()):
+    return None
+  specs = sorted(((r.primals[0].spec, n) for n, r in records.items()),
+                 key=lambda item: item[0].position)
+  order = []
+  for spec, name in specs:
+    last = order[-1] if order else None
+    if (spec.scopes and isinstance(last, tuple) and last[0] == spec.scopes
+        and last[1] == spec.calls):
+      last[2].append(name)
+    else:
+      order.append((spec.scopes, spec.calls, [name]) if spec.scopes else name)
+  return [entry if isinstance(entry, str) else tuple(entry[2]) for entry in order]
+
+
 def _entries(records, order):
+  if order is None:
+    order = found_order(records)
   if order is None:
     if len(records) != 1:
       raise ValueError(
@@ -208,7 +231,8 @@ def find_nonfinite(
   Args:
     records: the dict that `gl.reap` / `gl.call_and_reap` returns.
     order: every record name once, in forward order; a tuple of names for calls
-      that interleave (see the module docstring). May be omitted for one record.
+      that interleave (see the module docstring). May be omitted for one record,
+      and for records that `gl.record_layers` found (they know their order).
     call_axes: leading call axes of records that are not layer records (an int for
       all, or `{name: int}`); layer records know theirs.
     batch_size: the size of the example axis (default: from the first layer

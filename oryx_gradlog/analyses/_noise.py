@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _clip, _ghost
+from oryx_gradlog.analyses import _ghost
 from oryx_gradlog.record import _view
 from oryx_gradlog.record._layers import EMBED, HIGHEST
 from oryx_gradlog.record._view import LayerView
@@ -151,13 +151,13 @@ def gradient_noise_scale(
   api = "gradient_noise_scale"
   squares, _, selection, sizes = _ghost.squared_norms(
       api, records, reduction=reduction, names=names, tied=tied, method=method)
-  batch_size = _clip.one_batch_size(api, sizes)
+  batch_size = _ghost.one_batch_size(api, sizes)
   if batch_size < 2:
     raise ValueError(
         f"{api}: the layer records have batch size {batch_size}; the noise estimators "
         "need a batch of at least 2.")
   scale = _ghost.loss_scale(reduction, batch_size)
-  found = _clip.weighted_params(selection, jnp.ones(batch_size))
+  found = selection.weighted(jnp.ones(batch_size))
   layers, total_mean_sq, total_batch_sq = {}, 0.0, 0.0
   for name, square in squares.items():
     mean_sq = jnp.mean(square, axis=-1)

@@ -1,4 +1,4 @@
-"""Layer records: dense, conv2d, embedding and layer-norm layers that describe themselves.
+"""Hand-marked layer records: dense, conv2d, embedding and layer-norm layers.
 
 The analyses (per-example gradient norms, K-FAC factors, gradient noise) need, per
 layer, the layer's input `x`, its weight `w` and the cotangent `g` of its output,
@@ -22,9 +22,8 @@ for a convolution's output), which a per-example gradient sums over. A model wri
 per example and vmapped inside the loss (the Equinox style) records the same layout,
 because the weight is shared by the vmap and keeps its own shape.
 
-`positions(...)` turns a layer record into that canonical view, `(S, B, T, d)`
-arrays: for a convolution the positions are its output pixels and `x` becomes the
-patches (`jax.lax.conv_general_dilated_patches`), which makes it a dense layer.
+The analyses read these records through `_view.py` (the one layer view, shared with
+the uses `gl.record_layers` finds in any model's jaxpr, which needs no marking).
 
 Marking Flax and Equinox layers:
 

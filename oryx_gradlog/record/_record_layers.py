@@ -222,6 +222,8 @@ class UseSpec:
     batch: per operand, its batch axis as `(axis, factor)` or `None`.
     out_batch: the output's batch axis `(axis, factor)`.
     calls: the lengths of the enclosing scans, outermost first.
+    scopes: the paths of the enclosing scans' equations, outermost first.
+    position: the path of the use's equation (its place in forward order).
     avals: the operands' and the output's shapes and dtypes (per iteration).
     reason: why an `unsupported` use is not supported.
     where: the equation, as the user may recognise it (primitive and source line).
@@ -239,6 +241,8 @@ class UseSpec:
   out_batch: Any
   calls: tuple[int, ...]
   avals: tuple
+  scopes: tuple = ()
+  position: tuple = ()
   reason: str = ""
   where: str = ""
   tree: ParamTree | None = None
@@ -347,13 +351,8 @@ def _batch_axis(aval1, aval2, batch_size: int):
 
 def _where(eqn) -> str:
   """The primitive and, where JAX kept it, the user's source line."""
-  frame = None
-  try:
-    frame = jax._src.source_info_util.user_frame(eqn.source_info)  # pylint: disable=protected-access
-  except Exception:  # pylint: disable=broad-except
-    pass
-  line = f" ({frame.file_name}:{frame.start_line})" if frame is not None else ""
-  return f"{eqn.primitive.name}{line}"
+  line = _internals.source_line(eqn)
+  return f"{eqn.primitive.name}" + (f" ({line})" if line else "")
 
 
 def _static_params(params: dict) -> tuple:
@@ -398,6 +397,7 @@ class _Analysis:
     self.batch_size = batch_size
     self.uses: dict[tuple, _Use] = {}
     self.inline: set[tuple] = set()  # Equations with uses or chains inside.
+    self.coupling = ""  # Where examples are first mixed, if anywhere.
 
   def run(self, jaxpr1, jaxpr2, in_infos, invocation=(), calls=()):
     """Returns the infos of `jaxpr1`'s outputs, given those of its inputs."""
@@ -453,8 +453,11 @@ def _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
   data = any(i.data for i in ins)
   batched = any(b is not None for b in batches)
   # Examples mix where a batched output takes data reduced over the batch.
-  coupled = any(i.coupled for i in ins) or any(b == IRREGULAR for b in batches) or (
+  coupling = any(b == IRREGULAR for b in batches) or (
       batched and any(i.data and i.batch is None for i in ins))
+  coupled = coupling or any(i.coupled for i in ins)
+  if coupling and not analysis.coupling:
+    analysis.coupling = _where(eqn)
   if param_args and batched:  # Parameters meet the batch: a use.
     analysis.add_use(path, _classify(eqn, ins, batches, param_args, calls, coupled))
   elif param_args and not data:  # A function of parameters alone.
@@ -611,7 +614,7 @@ def _scan(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
 
   for _ in range(len(carry) + 2):  # The carry's classes are a fixed point of the body.
     outs = analysis.run(body1, body2, body_infos(consts + carry + xs), path,
-                        calls + (length,))
+                        calls + ((path, length),))
     new = [dataclasses.replace(_join([c, o]), lineage=None)
            for c, o in zip(carry, outs[:n_carry])]
     if [(n.params, n.data, n.coupled) for n in new] == [
@@ -908,13 +911,21 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
     else:
       ins.append(_CONST)
   try:
-    analysis.run(closed.jaxpr, closed2.jaxpr, ins)
+    outs = analysis.run(closed.jaxpr, closed2.jaxpr, ins)
   except _TraceMismatch as error:
     raise ValueError(
         f"{api}: the function traced differently at batch sizes "
         f"{signature.batch_size} and {2 * signature.batch_size} ({error.what}, at "
         f"equation {error.path}). record_layers finds the batch axis by tracing at both "
         "sizes; make the function's structure independent of the batch size.") from None
+  if outs and outs[0].coupled:  # The loss mixes examples: nothing is per example.
+    for use in analysis.uses.values():
+      if use.kind != UNSUPPORTED:
+        use.kind = UNSUPPORTED
+        use.reason = (f"the function's output mixes examples at {analysis.coupling} (a "
+                      "value reduced over the batch is used per example again, as batch "
+                      "norm does in training), so no parameter has a per-example "
+                      "gradient")
   params = tuple((n, tuple(v.aval.shape), v.aval.dtype)
                  for n, k, v in zip(dynamic_names, dynamic_kinds, closed.jaxpr.invars)
                  if k == "param")
@@ -941,7 +952,9 @@ def _name_uses(analysis: _Analysis, tree: ParamTree) -> dict[tuple, UseSpec]:
     specs[path] = UseSpec(
         name=name, kind=use.kind, primitive=eqn.primitive, params=dict(eqn.params),
         param_args=use.param_args, lineages=use.lineages, chain=use.chain,
-        batch=use.batch, out_batch=use.out_batch, calls=use.calls, avals=avals,
+        batch=use.batch, out_batch=use.out_batch,
+        calls=tuple(length for _, length in use.calls), avals=avals,
+        scopes=tuple(scope for scope, _ in use.calls), position=path,
         reason=use.reason, where=_where(eqn), tree=tree)
   return specs
 

@@ -129,6 +129,29 @@ class Selection:
   def names(self) -> list[str]:
     return [*self.hand, *self.found]
 
+  @property
+  def uses(self) -> list[FoundUse]:
+    """Every found use once (a use of several parameters is in several groups)."""
+    return list({u.name: u for group in self.found.values() for u in group}.values())
+
+  def weighted(self, factors: jax.Array) -> dict[str, jax.Array]:
+    """Per found parameter path, `sum_i c_i grad_i` (of the recorded loss): each use's
+    vjp at the cotangent `c g`, mapped to the parameters and summed over uses."""
+    totals: dict[str, jax.Array] = {}
+    for use in self.uses:
+      for path, grad in use.to_params(use.weighted(factors), lead=0).items():
+        totals[path] = totals[path] + grad if path in totals else grad
+    return {path: totals[path] for path in self.found if path in totals}
+
+  def per_example(self, path: str) -> jax.Array:
+    """`(B, *param)`: parameter `path`'s per-example gradients (of the recorded
+    loss), formed: each use's, mapped to the parameter and summed over uses."""
+    total = None
+    for use in self.found[path]:
+      grad = use.to_params(use.per_example(), lead=1)[path]
+      total = grad if total is None else total + grad
+    return total
+
 
 def collect(api: str, records: dict[str, Any], names: Sequence[str] | None,
             kinds: Sequence[str], tied: Collection[str] = (),
@@ -205,9 +228,13 @@ def collect(api: str, records: dict[str, Any], names: Sequence[str] | None,
                         "leave the parameter out of names")
   if problems:
     raise ValueError(
-        f"{api}: " + "; ".join(dict.fromkeys(problems)) + ". Pass names=[...] without "
-        "these parameters to analyse the others (gl.layer_coverage lists every "
-        "parameter and how it is covered).")
+        f"{api}: " + "; ".join(dict.fromkeys(problems)) + ". Per-example gradients need "
+        "each example's loss to depend on that example alone: use layer or group norm "
+        "instead of batch norm, and add weight decay in the optimizer "
+        "(optax.add_decayed_weights) rather than to the loss"
+        + ("" if api == "clipped_grad" else "; or pass names=[...] without these "
+           "parameters to analyse the others") +
+        ". gl.layer_coverage lists every parameter and how it is covered.")
   return Selection(hand, found, tied)
 
 
@@ -503,10 +530,11 @@ class FoundUse:
     return jax.vmap(one)(x, gg)
 
   # The canonical (S, B, T, d) views.
-  def view(self) -> LayerView | None:
+  def view(self, force: bool = False) -> LayerView | None:
     """The `LayerView` of a dense, convolution or embedding use whose operand keeps
-    its parameter's norms, else `None`."""
-    if not self.simple or self.spec.kind not in (FOUND_DENSE, FOUND_CONV, FOUND_EMBED):
+    its parameter's norms (any such use with `force`), else `None`."""
+    if self.spec.kind not in (FOUND_DENSE, FOUND_CONV, FOUND_EMBED) or not (
+        self.simple or force):
       return None
     n = self.n_calls
     if self.spec.kind == FOUND_DENSE:
@@ -572,15 +600,30 @@ class FoundUse:
 
   def _dense_per_example(self):
     """`(*calls, B, *w)`: `x_i^T g_i` per example, in the parameter operand's layout."""
-    n = self.n_calls
     x, g, _ = self._dense_canonical()
     pe = jnp.einsum("...gbti,...gbto->...bgio", x, g, precision=HIGHEST)
+    return self.dense_layout(pe, self.n_calls + 1)
+
+  def dense_layout(self, q: jax.Array, lead: int) -> jax.Array:
+    """A dense use's canonical `(*lead, G, d_in, d_out)` in the operand's layout."""
     _, _, cw, _, bw_dims, _, free_w = self._dense_parts()
     w_shape = self.spec.avals[self.w_arg].shape
     order = (*bw_dims, *cw, *free_w)
-    pe = pe.reshape(pe.shape[:n + 1] + tuple(w_shape[a] for a in order))
+    q = q.reshape(q.shape[:lead] + tuple(w_shape[a] for a in order))
     inverse = [order.index(a) for a in range(len(w_shape))]
-    return jnp.transpose(pe, tuple(range(n + 1)) + tuple(n + 1 + a for a in inverse))
+    return jnp.transpose(q, tuple(range(lead)) + tuple(lead + a for a in inverse))
+
+  def dense_sum_of_squares(self) -> jax.Array | None:
+    """`(*calls, *w)`: `sum_i (x_i^T g_i)^2` of a dense use with one position per
+    example and no shared calls, as `(x^2)^T (g^2)`; else `None`."""
+    if self.spec.kind != FOUND_DENSE or any(self.tied_calls):
+      return None
+    x, g, _ = self._dense_canonical()
+    if x.shape[-2] != 1:
+      return None
+    sq = jnp.einsum("...gbi,...gbo->...gio", x[..., 0, :] ** 2, g[..., 0, :] ** 2,
+                    precision=HIGHEST)
+    return self.dense_layout(sq, self.n_calls)
 
   def _conv_canonical(self):
     spec = self.spec
