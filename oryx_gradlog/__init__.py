@@ -26,6 +26,9 @@ from oryx_gradlog.analyses._clip import (
 from oryx_gradlog.analyses._cockpit import (
     InstrumentsState,
     InstrumentsTransform,
+    Schedule,
+    linear_schedule,
+    logarithmic_schedule,
     training_instruments,
 )
 from oryx_gradlog.analyses._curvature import (
@@ -40,8 +43,13 @@ from oryx_gradlog.analyses._ghost import (
     per_example_norms,
 )
 from oryx_gradlog.analyses._hessian import (
+    hessian_diagonal,
     hessian_max_eigenvalue,
     hessian_trace,
+)
+from oryx_gradlog.analyses._histograms import (
+    GradientHistograms,
+    gradient_histograms,
 )
 from oryx_gradlog.analyses._instruments import (
     BatchSizeTests,
@@ -119,6 +127,7 @@ __all__ = (
     "DEFAULT_TAG",
     "DPNoiseState",
     "DPNoiseTransform",
+    "GradientHistograms",
     "GradientNoise",
     "GradientSNR",
     "InstrumentsState",
@@ -134,6 +143,7 @@ __all__ = (
     "PoissonBatch",
     "RunLog",
     "RunningStats",
+    "Schedule",
     "StatisticsTransform",
     "Summary",
     "VJPRecord",
@@ -151,12 +161,16 @@ __all__ = (
     "export_tensorboard",
     "find_nonfinite",
     "gradient_noise_scale",
+    "gradient_histograms",
     "gradient_snr",
     "gradient_variance",
     "hessian_max_eigenvalue",
+    "hessian_diagonal",
     "hessian_trace",
     "kfac_factors",
     "layer_norm",
+    "linear_schedule",
+    "logarithmic_schedule",
     "magnitude_bins",
     "moving_average",
     "open_run",
