@@ -271,12 +271,21 @@ def _layer_sources(api, records, selected, params, where):
     for name in selected:
       layer = records[name].primals[0]
       sources[name] = [_find(layer.w, leaves, index), _find(layer.b, leaves, index)]
-  missing = []
+  missing, bad = [], []
   for name, (w, b) in sources.items():
     layer = records[name].primals[0]
     has_bias = layer.b is not None or layer.options.get("bias", False)
     if w is None or (has_bias and b is None):
       missing.append(name)
+    for field, i, value in (("w", w, layer.w), ("b", b, layer.b)):
+      if i is not None and value is not None and (
+          jnp.ndim(leaves[i]) > value.ndim
+          or value.shape[value.ndim - jnp.ndim(leaves[i]):] != jnp.shape(leaves[i])):
+        bad.append(f"'{name}.{field}' is recorded with shape {value.shape} but its "
+                   f"parameter has {jnp.shape(leaves[i])}")
+  if bad:
+    raise ValueError(f"{api}: " + "; ".join(bad) + ". `where` places parameters that "
+                     "the layers use as they are (not transposed or reshaped).")
   if missing:
     raise ValueError(
         f"{api}: the layer records {missing} have a weight or bias that is not a leaf of "
@@ -606,8 +615,8 @@ def training_instruments(
     args = (state, records, loss, grads, params, updates, losses, learning_rate)
     keep = lambda: (state.previous_loss, state.previous_slope, state.previous_update)
     if reads is True and starts is True:  # Read, and start the next alpha in one pass.
-      readings, begun = read(*args, start=True)
-      begun = (*begun, updates)
+      readings, begun = read(*args, start=wants_alpha)
+      begun = (*begun, updates) if wants_alpha else None
     else:
       shapes = jax.eval_shape(lambda: read(*args, start=False)[0])
       readings = when(reads, lambda: read(*args, start=False)[0],
