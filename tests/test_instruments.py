@@ -464,6 +464,38 @@ def test_report_draws_the_dashboard_from_logged_readings(tmp_path):
   assert (tmp_path / "run" / "report" / "instruments.png").exists()
 
 
+def test_report_draws_every_instrument_of_a_real_run(tmp_path):
+  pytest.importorskip("matplotlib")
+  pytest.importorskip("zarr")
+  w = jnp.array([[1.0, -0.5], [0.5, 1.0]])
+  instruments = gl.training_instruments(ALL, every=2, curvature_every=2, num_products=3)
+  state = instruments.init(w)
+
+  @functools.partial(jax.jit, static_argnames="phase")
+  def step(state, w, phase):
+    ((value, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(_marked, has_aux=True))(w)
+    readings, state = instruments.update(
+        state, records, loss=value, grads=grads, params=w, updates=-LR * grads,
+        losses=losses, learning_rate=LR, hessian_loss=_plain, phase=phase)
+    return readings, state, w - LR * grads
+
+  with gl.RunLog(tmp_path / "run") as log:
+    for t in range(5):
+      readings, state, w = step(state, w, instruments.phase(t))
+      log.append(t, {"instruments": {**readings, "time": np.float64(t * 0.5)}})
+  page = gl.report(tmp_path / "run", progress=False)
+  run = gl.open_run(tmp_path / "run")
+  # Read steps 0, 2, 4; the 1-D histogram counts every per-example gradient element.
+  counts = run["instruments.grad_hist_1d.counts"].values
+  assert counts[0].sum() == 3 * 4 and np.all(counts[1] == -1)
+  text = open(page, encoding="utf-8").read()
+  assert "<tr><td>time</td><td>0.5</td></tr>" in text  # Seconds per step.
+  last_alpha = run["instruments.alpha"].values[4]
+  assert f"<tr><td>alpha</td><td>{last_alpha:.4g}</td></tr>" in text
+  assert "instruments.per_parameter.grad_norm" in run
+
+
 def test_the_state_survives_a_step_that_donates_params_and_state():
   instruments = gl.training_instruments("economy")
 
