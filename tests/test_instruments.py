@@ -300,14 +300,7 @@ def test_hessian_diagonal_converges_to_the_dense_diagonal():
 
 
 def test_gradient_histograms_on_every_layer_kind_match_vmap_grad():
-  keys = iter(jax.random.split(jax.random.PRNGKey(3), 16))
-  normal = lambda shape: jax.random.normal(next(keys), shape)
-  p = {"emb": normal((7, 4)), "ln_s": normal((4,)), "ln_b": normal((4,)),
-       "cw": normal((3, 3, 1, 4)), "cb": normal((4,)), "tw": normal((4, 4)) / 2,
-       "tb": normal((4,)), "sw": normal((3, 4, 4)) / 2, "dw": normal((4, 3)),
-       "db": normal((3,))}
-  ids = jnp.array([[1, 1, 2], [3, 4, 3], [0, 6, 6], [5, 5, 5], [2, 1, 0]])
-  img, y = normal((5, 6, 5, 2)), normal((5, 3))
+  p, ids, img, y = _every_layer_kind_inputs()
   one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
   grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)
   batch_loss = lambda p: jnp.mean(_every_layer_kind(p, ids, img, y))
@@ -535,9 +528,8 @@ def _every_layer_kind(p, ids, img, y):
   return jnp.sum((out - y) ** 2, -1)
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
-def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap, method):
+def _every_layer_kind_inputs():
+  """Parameters and a batch of 5 for `_every_layer_kind`."""
   keys = iter(jax.random.split(jax.random.PRNGKey(3), 16))
   normal = lambda shape: jax.random.normal(next(keys), shape)
   p = {"emb": normal((7, 4)), "ln_s": normal((4,)), "ln_b": normal((4,)),
@@ -546,6 +538,13 @@ def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap, method):
        "db": normal((3,))}
   ids = jnp.array([[1, 1, 2], [3, 4, 3], [0, 6, 6], [5, 5, 5], [2, 1, 0]])
   img, y = normal((5, 6, 5, 2)), normal((5, 3))
+  return p, ids, img, y
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
+def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap, method):
+  p, ids, img, y = _every_layer_kind_inputs()
   # True computation: per-example gradients from vmap(grad).
   one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
   grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)
