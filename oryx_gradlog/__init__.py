@@ -33,6 +33,9 @@ from oryx_gradlog.analyses._coverage import (
 from oryx_gradlog.analyses._cockpit import (
     InstrumentsState,
     InstrumentsTransform,
+    Schedule,
+    linear_schedule,
+    logarithmic_schedule,
     training_instruments,
 )
 from oryx_gradlog.analyses._curvature import (
@@ -47,8 +50,13 @@ from oryx_gradlog.analyses._ghost import (
     per_example_norms,
 )
 from oryx_gradlog.analyses._hessian import (
+    hessian_diagonal,
     hessian_max_eigenvalue,
     hessian_trace,
+)
+from oryx_gradlog.analyses._histograms import (
+    GradientHistograms,
+    gradient_histograms,
 )
 from oryx_gradlog.analyses._instruments import (
     BatchSizeTests,
@@ -130,6 +138,7 @@ __all__ = (
     "DEFAULT_TAG",
     "DPNoiseState",
     "DPNoiseTransform",
+    "GradientHistograms",
     "GradientNoise",
     "GradientSNR",
     "InstrumentsState",
@@ -148,6 +157,7 @@ __all__ = (
     "PoissonBatch",
     "RunLog",
     "RunningStats",
+    "Schedule",
     "StatisticsTransform",
     "Summary",
     "UseCoverage",
@@ -167,13 +177,17 @@ __all__ = (
     "export_tensorboard",
     "find_nonfinite",
     "gradient_noise_scale",
+    "gradient_histograms",
     "gradient_snr",
     "gradient_variance",
     "hessian_max_eigenvalue",
+    "hessian_diagonal",
     "hessian_trace",
     "kfac_factors",
     "layer_coverage",
     "layer_norm",
+    "linear_schedule",
+    "logarithmic_schedule",
     "magnitude_bins",
     "moving_average",
     "open_run",

@@ -162,6 +162,39 @@ def per_example_inner_products(record, direction: LayerParams, tied) -> jax.Arra
   return jnp.sum(jnp.moveaxis(products, calls, 0).reshape(g.shape[calls], -1), axis=1)
 
 
+def per_example_grads(record, tied) -> LayerParams:
+  """Each example's gradient (of the recorded loss) of one layer record, `(B, ...)`.
+
+  Shaped like the layer's parameters (with the call axes, or without for a tied
+  layer) after the example axis: the vjp of the layer applied to one example's
+  input at that example's cotangent, vmapped over the examples (for a dense layer,
+  `x_i^T g_i`; XLA batches the matmuls or convolutions). It costs `B` times the
+  layer's parameters in memory: for the instruments that need every per-example
+  element (histograms, per-parameter second moments of non-dense layers).
+  """
+  layer, g = record.primals[0], record.out_cotangent
+  calls = _view.call_axes(record)
+  lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
+  apply = _layer_function(layer, lead)
+  for _ in range(calls):
+    apply = jax.vmap(apply)
+  # One example keeps a batch axis of one where the batch axis was.
+  split = lambda a: jnp.moveaxis(jnp.expand_dims(a, calls + 1), calls, 0)
+  bias = layer.b is None and layer.options.get("bias", False)  # dense_dot_general's.
+
+  def one(x, g):
+    _, vjp = jax.vjp(lambda w, b: apply(w, b, x), layer.w, layer.b)
+    w_grad, b_grad = vjp(g)
+    if bias:
+      b_grad = jnp.sum(g, axis=tuple(range(calls, g.ndim - 1)))
+    if tied:
+      w_grad = jnp.sum(w_grad, axis=tuple(range(calls)))
+      b_grad = None if b_grad is None else jnp.sum(b_grad, axis=tuple(range(calls)))
+    return LayerParams(w_grad, b_grad)
+
+  return jax.vmap(one)(split(layer.x), split(g))
+
+
 def _clipped_layer(record, factors, tied) -> LayerParams:
   """The clipped gradient of one layer record: its vjp at the cotangent `c g`.
 

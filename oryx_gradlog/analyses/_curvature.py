@@ -221,7 +221,7 @@ def _moments(api, records, reduction, names, tied, chunk_size, centred):
     scale = _ghost.loss_scale(reduction, batch)
     means = selection.weighted(jnp.ones(batch)) if centred else {}
     for path, uses in selection.found.items():
-      square = _found_sum_of_squares(selection, path)
+      square = found_sum_of_squares(selection, path)
       w = scale * scale * square
       if centred:
         mean = (scale / batch) * _ghost.as_float(means[path])
@@ -230,7 +230,7 @@ def _moments(api, records, reduction, names, tied, chunk_size, centred):
   return results
 
 
-def _found_sum_of_squares(selection: _view.Selection, path: str) -> jax.Array:
+def found_sum_of_squares(selection: _view.Selection, path: str) -> jax.Array:
   """`sum_i grad_i^2` (of the recorded loss) of one found parameter."""
   uses = selection.found[path]
   if len(uses) == 1 and uses[0].simple:
