@@ -221,7 +221,18 @@ def _reference(w, w_previous, w0, w_before_previous):
 ALL = gl.analyses._cockpit.INSTRUMENTS  # pylint: disable=protected-access
 
 
-def test_every_instrument_matches_its_definition_in_a_jitted_loop():
+def _found(w, x, y):
+  """The least-squares loss with no layer marked: gl.record_layers finds `x @ w`."""
+  losses = 0.5 * jnp.sum((x @ w - y) ** 2, -1)
+  return jnp.mean(losses), losses
+
+
+# The layers marked by hand, and found by gl.record_layers in the plain model.
+LOSSES = {"marked": _marked, "found": lambda w: gl.record_layers(_found)(w, X, Y)}
+
+
+@pytest.mark.parametrize("recorded", LOSSES.values(), ids=LOSSES.keys())
+def test_every_instrument_matches_its_definition_in_a_jitted_loop(recorded):
   w0 = jnp.array([[1.0, -0.5], [0.5, 1.0]])
   instruments = gl.training_instruments(ALL, curvature_every=1, num_products=80)
   state = instruments.init(w0)
@@ -229,7 +240,7 @@ def test_every_instrument_matches_its_definition_in_a_jitted_loop():
   @jax.jit
   def step(state, w):
     ((value, losses), grads), records = gl.call_and_reap(
-        jax.value_and_grad(_marked, has_aux=True))(w)
+        jax.value_and_grad(recorded, has_aux=True))(w)
     updates = -LR * grads
     readings, state = instruments.update(
         state, records, loss=value, grads=grads, params=w, updates=updates, losses=losses,
