@@ -490,7 +490,11 @@ def _classify(eqn, ins, batches, param_args, calls, coupled) -> _Use:
              tuple(l if isinstance(l, Lineage) else None for l in lineages),
              chains[0] if chains else None, tuple(i.batch for i in ins), out_batch, calls)
   reason = ""
-  if coupled or out_batch == IRREGULAR or any(i.batch == IRREGULAR for i in ins):
+  if len(batches) > 1:
+    reason = ("the operation has several outputs (a custom_jvp/custom_vjp function or "
+              "a loop holding the parameter); apply it to the parameter outside, or "
+              "give it one output")
+  elif coupled or out_batch == IRREGULAR or any(i.batch == IRREGULAR for i in ins):
     reason = ("its output mixes examples (a value reduced over the batch, or an axis "
               "that is not the batch's), so it has no per-example gradient")
   elif any(l is None for l in lineages):
