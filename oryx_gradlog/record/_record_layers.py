@@ -84,10 +84,11 @@ _ISOMETRIC = frozenset({
     "reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "copy",
     "copy_p", "rev", "neg", "sharding_constraint"})
 _LINEAR = _ISOMETRIC | {"broadcast_in_dim", "slice", "reduce_sum"}
-# Element-wise primitives whose operands broadcast by size-1 axes (or rank 0).
+# Element-wise primitives whose operands broadcast by size-1 axes (or rank 0), and
+# broadcasts of a parameter to the batch's shape.
 _ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "nextafter",
-    "select_n", "clamp", "add_any"})
+    "select_n", "clamp", "add_any", "broadcast_in_dim"})
 
 
 # ----------------------------------------------------------------------------------
@@ -617,6 +618,8 @@ def _scan(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
         for i, v1, v2 in zip(infos, body1.invars, body2.invars)]
 
   for _ in range(len(carry) + 2):  # The carry's classes are a fixed point of the body.
+    for stale in [p for p in analysis.uses if p[:len(path)] == path]:
+      del analysis.uses[stale]  # Found with an earlier guess of the carry's classes.
     outs = analysis.run(body1, body2, body_infos(consts + carry + xs), path,
                         calls + ((path, length),))
     new = [dataclasses.replace(_join([c, o]), lineage=None)

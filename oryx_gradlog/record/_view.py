@@ -487,22 +487,28 @@ class FoundUse:
     return tuple(jnp.moveaxis(g, n, 0) for g in grads)  # (*calls, B, ...) -> (B, ...)
 
   def _elementwise_per_example(self, operands, g, _):
-    w_arg = self.w_arg
-    w = operands[w_arg]
-    out_shape = g.shape
-    full = jnp.broadcast_to(w, out_shape)
-    _, vjp = jax.vjp(self._of_w(operands), full)
-    (ct,) = vjp(g)
+    """An element-wise operation (or a broadcast) of the parameter: the vjp with
+    respect to the parameter broadcast to the output's shape, summed per example
+    over the axes it was broadcast along."""
+    w = operands[self.w_arg]
+    if self.spec.primitive.name == "broadcast_in_dim":
+      shape = [1] * g.ndim  # The parameter with the output's rank.
+      for axis, size in zip(self.spec.params["broadcast_dimensions"], jnp.shape(w)):
+        shape[axis] = size
+      ct = g
+    else:  # Operands of the same rank, or a scalar.
+      shape = list(jnp.shape(w)) or [1] * g.ndim
+      _, vjp = jax.vjp(self._of_w(operands), jnp.broadcast_to(w, g.shape))
+      (ct,) = vjp(g)
     axis, factor = self.spec.out_batch
-    w_shape = jnp.shape(w)
-    broadcast = [a for a in range(len(out_shape)) if a != axis and (
-        not w_shape or w_shape[a] == 1 and out_shape[a] != 1)]
+    broadcast = [a for a in range(g.ndim) if a != axis and shape[a] == 1 and g.shape[a] != 1]
     ct = jnp.sum(ct, axis=tuple(broadcast), keepdims=True)
     ct = _moveaxis_batch(ct, 0, axis, factor).sum(1)  # (B, rest with 1 at axis...)
-    return ct.reshape((ct.shape[0],) + tuple(w_shape))
+    return ct.reshape((ct.shape[0],) + tuple(jnp.shape(w)))
 
   def _masked_per_example(self, operands, g, _):
-    """Any operation: the vjp at the cotangent of one example at a time."""
+    """Any operation: the vjp at the cotangent of one example at a time (a few
+    examples at once, so that memory stays a few times the output's)."""
     axis, factor = self.spec.out_batch
     batch = g.shape[axis] // factor
     ws = [operands[i] for i in self.spec.param_args]
@@ -510,8 +516,8 @@ class FoundUse:
     owner = jnp.arange(g.shape[axis]) // factor
     shape = [1] * g.ndim
     shape[axis] = -1
-    masks = (owner[None, :] == jnp.arange(batch)[:, None]).astype(g.dtype)
-    return jax.vmap(lambda m: vjp(g * m.reshape(shape)))(masks)
+    one = lambda i: vjp(g * (owner == i).astype(g.dtype).reshape(shape))
+    return lax.map(one, jnp.arange(batch), batch_size=min(batch, 8))
 
   def _sliced_per_example(self, operands, g, _):
     """A convolution: the vjp of each example's own slice of the batch."""
