@@ -98,7 +98,7 @@ def steps(instruments):
     return jax.tree.map(jnp.add, params, updates), state, readings
 
   def hvp(params, v, x, target):
-    return gl.analyses._hessian.hessian_vector_product(plain_loss, params, x, target)(v)  # pylint: disable=protected-access
+    return gl.analyses.curvature._hessian.hessian_vector_product(plain_loss, params, x, target)(v)  # pylint: disable=protected-access
 
   def trace(params, key, x, target):
     return gl.hessian_trace(plain_loss, params, x, target, key=key,

@@ -14,23 +14,23 @@ from oryx_gradlog.record import _compat
 _compat.check_supported()
 
 from oryx_gradlog.record import _oryx_rules  # noqa: F401  (installs Oryx rules)
-from oryx_gradlog.analyses._accounting import (
+from oryx_gradlog.analyses.per_example._accounting import (
     dp_epsilon,
     dp_noise_multiplier,
 )
-from oryx_gradlog.analyses._clip import (
+from oryx_gradlog.analyses.per_example._clip import (
     ClippedGrads,
     clipped_grad,
     clipped_grads,
     to_param_tree,
 )
-from oryx_gradlog.analyses._coverage import (
+from oryx_gradlog.analyses.per_example._coverage import (
     LayerCoverage,
     ParamCoverage,
     UseCoverage,
     layer_coverage,
 )
-from oryx_gradlog.analyses._cockpit import (
+from oryx_gradlog.analyses.instruments._cockpit import (
     InstrumentsState,
     InstrumentsTransform,
     Schedule,
@@ -38,33 +38,33 @@ from oryx_gradlog.analyses._cockpit import (
     logarithmic_schedule,
     training_instruments,
 )
-from oryx_gradlog.analyses._curvature import (
+from oryx_gradlog.analyses.curvature._curvature import (
     KFACFactors,
     LayerParams,
     gradient_variance,
     kfac_factors,
     sum_grad_squared,
 )
-from oryx_gradlog.analyses._ghost import (
+from oryx_gradlog.analyses.per_example._ghost import (
     PerExampleNorms,
     per_example_norms,
 )
-from oryx_gradlog.analyses._hessian import (
+from oryx_gradlog.analyses.curvature._hessian import (
     hessian_diagonal,
     hessian_max_eigenvalue,
     hessian_trace,
 )
-from oryx_gradlog.analyses._histograms import (
+from oryx_gradlog.analyses.instruments._histograms import (
     GradientHistograms,
     gradient_histograms,
 )
-from oryx_gradlog.analyses._instruments import (
+from oryx_gradlog.analyses.instruments._instruments import (
     BatchSizeTests,
     GradientSNR,
     batch_size_tests,
     gradient_snr,
 )
-from oryx_gradlog.analyses._step_quality import (
+from oryx_gradlog.analyses.instruments._step_quality import (
     step_alpha,
     update_size,
 )
@@ -80,17 +80,17 @@ from oryx_gradlog.statistics._moving_average import (
     MovingAverage,
     moving_average,
 )
-from oryx_gradlog.analyses._nan import (
+from oryx_gradlog.analyses.debugging._nan import (
     NonFiniteReport,
     find_nonfinite,
     raise_if_nonfinite,
 )
-from oryx_gradlog.analyses._noise import (
+from oryx_gradlog.analyses.instruments._noise import (
     GradientNoise,
     NoiseScale,
     gradient_noise_scale,
 )
-from oryx_gradlog.analyses._privacy import (
+from oryx_gradlog.analyses.per_example._privacy import (
     DPNoiseState,
     DPNoiseTransform,
     PoissonBatch,

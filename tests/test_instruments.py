@@ -218,7 +218,7 @@ def _reference(w, w_previous, w0, w_before_previous):
   return ref, hessian
 
 
-ALL = gl.analyses._cockpit.INSTRUMENTS  # pylint: disable=protected-access
+ALL = gl.analyses.instruments._cockpit.INSTRUMENTS  # pylint: disable=protected-access
 
 
 def _found(w, x, y):
@@ -396,7 +396,7 @@ def test_presets_are_cockpits_configurations():
              "norm_test", "orthogonality_test", "update_size"}
   business = economy | {"tic_diag", "hessian_trace"}
   full = business | {"hessian_max_eigenvalue", "grad_hist_2d"}
-  presets = gl.analyses._cockpit.PRESETS  # pylint: disable=protected-access
+  presets = gl.analyses.instruments._cockpit.PRESETS  # pylint: disable=protected-access
   assert (set(presets["economy"]), set(presets["business"]), set(presets["full"])) == (
       economy, business, full)
 

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog.analyses import _ghost
+from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.record import _view
 from oryx_gradlog.record._layers import DENSE
 from oryx_gradlog.record._record_layers import DENSE as FOUND_DENSE

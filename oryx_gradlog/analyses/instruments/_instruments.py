@@ -61,8 +61,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _clip, _curvature, _ghost
-from oryx_gradlog.analyses._curvature import LayerParams
+from oryx_gradlog.analyses.per_example import _clip, _ghost
+from oryx_gradlog.analyses.curvature import _curvature
+from oryx_gradlog.analyses.curvature._curvature import LayerParams
 from oryx_gradlog.record import _view
 from oryx_gradlog.record._layers import CONV2D, DENSE
 

@@ -99,9 +99,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from oryx_gradlog.analyses import _clip, _ghost, _hessian, _histograms, _instruments
-from oryx_gradlog.analyses import _step_quality
-from oryx_gradlog.analyses._curvature import LayerParams
+from oryx_gradlog.analyses.per_example import _clip, _ghost
+from oryx_gradlog.analyses.curvature import _hessian
+from oryx_gradlog.analyses.instruments import _histograms, _instruments
+from oryx_gradlog.analyses.instruments import _step_quality
+from oryx_gradlog.analyses.curvature._curvature import LayerParams
 from oryx_gradlog.record import _view
 
 ECONOMY = ("alpha", "distance", "grad_hist_1d", "grad_norm", "inner_product_test", "loss",

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _ghost
+from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.record import _view
 from oryx_gradlog.record._layers import EMBED, HIGHEST
 from oryx_gradlog.record._view import LayerView

@@ -55,8 +55,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _ghost
-from oryx_gradlog.analyses._curvature import LayerParams
+from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.analyses.curvature._curvature import LayerParams
 from oryx_gradlog.record import _layers, _view
 from oryx_gradlog.record._layers import CONV2D, LayerInputs
 

@@ -30,7 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _ghost, _instruments
+from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.analyses.instruments import _instruments
 from oryx_gradlog.record import _view
 
 BINS_1D, RANGE_1D = 100, (-2.0, 2.0)

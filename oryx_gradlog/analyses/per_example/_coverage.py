@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from oryx_gradlog.analyses import _ghost
+from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.record import _record_layers, _view
 from oryx_gradlog.record._reap import reap
 from oryx_gradlog.record._record_layers import (
