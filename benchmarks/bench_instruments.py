@@ -5,9 +5,9 @@ Side by side, on the 4 x 512 tanh MLP with biases, batch 128 (`_mlp.FULL`), floa
 * `plain`: a plain SGD training step, `jax.value_and_grad` of the unmarked loss and
   the update: the floor.
 * `economy`: the same step on the marked model (`gl.dense`) with
-  `gl.training_instruments("economy")` read inside it: loss, gradient norm, the norm,
-  inner-product and orthogonality tests, alpha, update size and distance, read every
-  step (target <= 1.10 x plain; what it costs and why is in the notes).
+  `gl.training_instruments("economy")` (Cockpit's economy: loss, gradient norm, the
+  norm, inner-product and orthogonality tests, alpha's weighted fit, update size,
+  distance and the 1-D histogram of per-example gradient elements) read every step.
 * `plain_10`, `economy_10`, `every_10`: ten training steps in one `lax.scan`, plain,
   with the economy preset read every step, and read every 10th step
   (`training_instruments("economy", every=10)`, Cockpit's `track_interval`). The
@@ -17,6 +17,17 @@ Side by side, on the 4 x 512 tanh MLP with biases, batch 128 (`_mlp.FULL`), floa
 * `plain_10u`, `static_10`: the same ten steps unrolled in one jit, plain and with
   `every=10` read through static phases (`update(..., phase=instruments.phase(i))`,
   what a Python training loop compiles: no `lax.cond`). Target <= 1.10 x `plain_10u`.
+* `plain_loop`, `every_loop`: what users run, ten calls of a jitted step from a
+  Python loop (carrying on from call to call, so the schedule is real), plain and
+  with `every=10` through static phases, both with the parameters and the
+  instruments' state donated (`donate_argnums`); target `every_loop` <= 1.10 x
+  `plain_loop`. `plain_loop_nd`, `every_loop_nd`: the same without donation.
+* `alpha`, `hist_1d`, `hist_2d`, `moments`, `tic`: one new instrument read in the
+  step, every step: alpha's weighted fit (per-example losses and two jvps per layer
+  for the per-example slopes), the 1-D and 2-D gradient histograms (per-example
+  gradients formed layer by layer), mean_gsnr + early_stopping + cabs (second
+  moments `(x^2)^T (g^2)`), and tic_diag + tic_trace + hessian_trace
+  (`NUM_PRODUCTS` products and the second moments): each one's cost per reading.
 * `hvp`: one Hessian-vector product (`jax.jvp` of `jax.grad`) of the plain loss.
 * `trace` / `max_eig`: one use of `gl.hessian_trace` / `gl.hessian_max_eigenvalue`
   with `NUM_PRODUCTS` products: each curvature instrument's cost per use, in plain
@@ -47,10 +58,14 @@ LR = 0.01
 EVERY = 10
 
 
-def _loss(dense, params, x, target):
+def _losses(dense, params, x, target):
   for i, layer in enumerate(params):
     x = jnp.tanh(dense(x, layer["w"], layer["b"], name=f"fc{i:02d}"))
-  return jnp.mean((x - target) ** 2)
+  return jnp.mean((x - target) ** 2, axis=-1)
+
+
+def _loss(dense, params, x, target):
+  return jnp.mean(_losses(dense, params, x, target))
 
 
 def _plain_dense(x, w, b, name):
@@ -63,7 +78,8 @@ def plain_loss(params, x, target):
 
 
 def marked_loss(params, x, target):
-  return _loss(gl.dense, params, x, target)
+  losses = _losses(gl.dense, params, x, target)
+  return jnp.mean(losses), losses
 
 
 def steps(instruments):
@@ -72,15 +88,17 @@ def steps(instruments):
     return jax.tree.map(lambda p, g: p - LR * g, params, grads), loss
 
   def economy(params, state, x, target, phase=None):
-    (loss, grads), records = gl.call_and_reap(jax.value_and_grad(marked_loss))(
-        params, x, target)
+    ((loss, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(marked_loss, has_aux=True))(params, x, target)
     updates = jax.tree.map(lambda g: -LR * g, grads)
-    readings, state = instruments.update(state, records, loss=loss, grads=grads,
-                                         params=params, updates=updates, phase=phase)
+    readings, state = instruments.update(
+        state, records, loss=loss, grads=grads, params=params, updates=updates,
+        losses=losses, learning_rate=LR, phase=phase,
+        hessian_loss=lambda p: plain_loss(p, x, target))
     return jax.tree.map(jnp.add, params, updates), state, readings
 
   def hvp(params, v, x, target):
-    return gl.analyses._hessian.hessian_vector_product(plain_loss, params, x, target)(v)  # pylint: disable=protected-access
+    return gl.analyses.curvature._hessian.hessian_vector_product(plain_loss, params, x, target)(v)  # pylint: disable=protected-access
 
   def trace(params, key, x, target):
     return gl.hessian_trace(plain_loss, params, x, target, key=key,
@@ -91,6 +109,37 @@ def steps(instruments):
                                      num_products=NUM_PRODUCTS)
 
   return plain, economy, hvp, trace, max_eig
+
+
+class _Loop:
+  """Ten calls of a jitted step from a Python loop, carrying on from call to call
+  (the user's form); `lower` lowers one read step, for the harness's HLO statistics."""
+
+  def __init__(self, step, carry, x, target, phase=None):
+    self.step, self.carry, self.x, self.target, self.phase = step, carry, x, target, phase
+    self.t = 0
+    self.first = (*carry, x, target) + (({"phase": phase(0)},) if phase else ())
+
+  def __call__(self):
+    out = None
+    for _ in range(EVERY):
+      if self.phase is None:
+        params, out = self.step(self.carry[0], self.x, self.target)
+        self.carry = (params,)
+      else:
+        params, state, out = self.step(*self.carry, self.x, self.target,
+                                       phase=self.phase(self.t))
+        self.carry = (params, state)
+      self.t += 1
+    return self.carry[0], out
+
+  def lower(self):
+    *args, kwargs = self.first if self.phase else (*self.first, {})
+    return self.step.lower(*args, **kwargs)
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
 
 
 def ten_steps_unrolled(step, phase=None):
@@ -135,6 +184,8 @@ def check(economy, params, state, x, target) -> None:
   mean = flat.mean(0)
   expected = jnp.sqrt(jnp.sum((flat - mean) ** 2) / (batch * (batch - 1))) / jnp.linalg.norm(mean)
   np.testing.assert_allclose(readings["norm_test"], expected, rtol=2e-3)
+  # The 1-D histogram counts every element of every example's gradient.
+  assert int(readings["grad_hist_1d"]["counts"].sum()) == flat.size
   fun = lambda w: 0.5 * jnp.sum(jnp.arange(1.0, 5.0) * w ** 2)
   np.testing.assert_allclose(gl.hessian_trace(fun, jnp.ones(4), key=jax.random.PRNGKey(0),
                                               num_products=2), 10.0, rtol=1e-6)
@@ -155,9 +206,20 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
   plain, economy, hvp, trace, max_eig = steps(instruments)
   economy = jax.jit(economy)
   check(economy, params, state, x, target)
+  one = {  # One new instrument per step variant: its cost per reading.
+      "alpha": ("alpha",), "hist_1d": ("grad_hist_1d",), "hist_2d": ("grad_hist_2d",),
+      "moments": ("mean_gsnr", "early_stopping", "cabs"),
+      "tic": ("tic_diag", "tic_trace", "hessian_trace")}
+  singles = {}
+  for name, chosen in one.items():
+    single = gl.training_instruments(chosen, curvature_every=1, num_products=NUM_PRODUCTS)
+    singles[name] = h.Variant(f"{'+'.join(chosen)} read every step",
+                              jax.jit(steps(single)[1]), (params, single.init(params), x, target))
   key = jax.random.PRNGKey(0)
   every = gl.training_instruments("economy", every=EVERY)
   economy_every = steps(every)[1]
+  donated = jax.jit(economy_every, static_argnames="phase", donate_argnums=(0, 1))
+  plain_donated = jax.jit(plain, donate_argnums=0)
   # Two sets of interleaved rounds, so that the curvature variants (tens of steps
   # each) do not thin out the rounds of the step variants.
   step_variants = {
@@ -179,6 +241,23 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
           jax.jit(ten_steps_unrolled(economy_every, every.phase)),
           ((params, every.init(params)), x, target)),
   }
+  loop_variants = {
+      "plain_loop": h.Variant(f"{EVERY} plain steps (Python loop, params donated)",
+                              _Loop(plain_donated, (_copy(params),), x, target), ()),
+      "every_loop": h.Variant(
+          f"{EVERY} steps, economy every {EVERY}th (Python loop, static phases, "
+          "params and state donated)",
+          _Loop(donated, (_copy(params), every.init(params)), x, target, every.phase), ()),
+      "plain_loop_nd": h.Variant(f"{EVERY} plain steps (Python loop, no donation)",
+                                 _Loop(jax.jit(plain), (params,), x, target), ()),
+      "every_loop_nd": h.Variant(
+          f"{EVERY} steps, economy every {EVERY}th (Python loop, static phases, "
+          "no donation)",
+          _Loop(jax.jit(economy_every, static_argnames="phase"),
+                (params, every.init(params)), x, target, every.phase), ()),
+  }
+  single_variants = {"plain_s": h.Variant("plain training step (single rounds)",
+                                          jax.jit(plain), (params, x, target)), **singles}
   curvature_variants = {
       "plain_c": h.Variant("plain training step (curvature rounds)", jax.jit(plain),
                            (params, x, target)),
@@ -188,12 +267,15 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
       "max_eig": h.Variant(f"hessian_max_eigenvalue, {NUM_PRODUCTS} products",
                            jax.jit(max_eig), (params, key, x, target)),
   }
-  m = {**h.measure(step_variants, settings), **h.measure(curvature_variants, settings)}
+  m = {**h.measure(step_variants, settings), **h.measure(loop_variants, settings),
+       **h.measure(single_variants, settings), **h.measure(curvature_variants, settings)}
   comparisons = []
   for name, baseline in (("economy", "plain"), ("economy_10", "plain_10"),
                          ("every_10", "plain_10"), ("static_10", "plain_10u"),
+                         ("every_loop", "plain_loop"), ("every_loop_nd", "plain_loop_nd"),
+                         *((name, "plain_s") for name in one),
                          ("hvp", "plain_c"), ("trace", "plain_c"), ("max_eig", "plain_c")):
-    target = TARGET if name in ("economy", "every_10", "static_10") else None
+    target = TARGET if name in ("every_10", "static_10", "every_loop") else None
     comparison = h.compare(NUMBER, m, name, baseline, target, settings)
     if comparison.status == "MISSED":
       comparison.explanation = h.describe_hlo_difference(m[name], m[baseline])

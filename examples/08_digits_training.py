@@ -7,8 +7,11 @@ cotangent of each layer's output per example, summarize it on the device (norm,
 mean, variance, min, max, non-finite count, magnitude histogram; per example), and
 hand summaries and the full cotangents to a `RunLog` that writes them to zarr off the
 training thread. The layers are marked with `gl.dense` too, so that Cockpit's
-economy instruments (`gl.training_instruments("economy")`: batch-size tests, alpha,
-update size, distance) are read from the same backward pass and logged each step.
+economy instruments (`gl.training_instruments("economy")`: batch-size tests, alpha's
+weighted fit, update size, distance, the gradient-element histogram) are read from
+the same backward pass and logged each step, with the step time. The step donates
+the parameters and the optimizer's and instruments' states (`donate_argnums`), so
+XLA updates them in place instead of copying them through each step.
 At the end we write the report (PNG plots, an HTML page and the instruments
 dashboard) and check the last step's records and instruments against plain JAX.
 
@@ -17,6 +20,7 @@ Run: python examples/08_digits_training.py [--steps 300] [--run-dir runs/digits]
 """
 
 import argparse
+import functools
 import os
 import shutil
 import time
@@ -59,18 +63,36 @@ def forward(params, x, perturb=None):
   return h
 
 
-def loss_fn(params, x, y, perturb=None):
+def losses_fn(params, x, y, perturb=None):
   logits = forward(params, x, perturb)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+def loss_fn(params, x, y, perturb=None):
+  return losses_fn(params, x, y, perturb).mean()
+
+
+def loss_and_losses(params, x, y):
+  losses = losses_fn(params, x, y)
+  return losses.mean(), losses
+
+
+# The layers see quantised weights, not the parameters themselves: say which
+# parameter each layer's weight and bias come from (alpha's per-example slopes need
+# each layer's slice of the update; the straight-through estimator passes it as is).
+WHERE = [{"w": f"fc{i + 1}.w", "b": f"fc{i + 1}.b"} for i in range(len(WIDTHS) - 1)]
 
 
 def make_step(optimizer, instruments):
-  @jax.jit
+  # Parameters, optimizer state and instruments' state are donated: updated in place.
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def step(params, opt_state, inst_state, x, y):
-    (loss, grads), records = gl.call_and_reap(jax.value_and_grad(loss_fn))(params, x, y)
+    ((loss, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(loss_and_losses, has_aux=True))(params, x, y)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     readings, inst_state = instruments.update(
-        inst_state, records, loss=loss, grads=grads, params=params, updates=updates)
+        inst_state, records, loss=loss, grads=grads, params=params, updates=updates,
+        losses=losses)
     taps = {name: v for name, v in records.items() if name.startswith("layer")}
     # Summaries per example of every layer; the full cotangents too (they are small).
     logged = gl.summarize(taps, full="*", summary="*", keep_axes=1)
@@ -94,7 +116,7 @@ def main(argv=None):
   params = init_params(jax.random.PRNGKey(0))
   optimizer = optax.adam(3e-3)
   opt_state = optimizer.init(params)
-  instruments = gl.training_instruments("economy")
+  instruments = gl.training_instruments("economy", where=WHERE)
   inst_state = instruments.init(params)
   step = make_step(optimizer, instruments)
   rng = np.random.default_rng(0)
@@ -103,14 +125,18 @@ def main(argv=None):
   start = time.perf_counter()
   config = {"widths": WIDTHS, "batch": BATCH, "steps": steps, "optimizer": "adam(3e-3)",
             "quantization": "4-bit STE"}
-  with gl.RunLog(args.run_dir, config=config, dims={"*": ("example",)}) as log:
+  # Instruments (histograms) have dims of their own; the summaries an example dim.
+  dims = {"instruments.*": (), "*": ("example",)}
+  with gl.RunLog(args.run_dir, config=config, dims=dims) as log:
     for i in range(steps):
       batch = rng.choice(len(x_all), BATCH, replace=False)
       x, y = x_all[batch], y_all[batch]
-      before = params
+      before = jax.tree.map(jnp.copy, params)  # The step donates (deletes) params.
       params, opt_state, inst_state, loss, logged, records = step(
           params, opt_state, inst_state, x, y)
-      log.append(i, logged)
+      # Cockpit's Time: the host's clock beside the readings; the dashboard draws
+      # the time per step.
+      log.append(i, {**logged, "instruments": {**logged["instruments"], "time": time.time()}})
       if i % 50 == 0 or i == steps - 1:
         print(f"step {i:4d}  loss {float(loss):.4f}  |dL/dz| per layer: " + "  ".join(
             f"{name} {float(jnp.linalg.norm(records[name])):.2e}" for name in sorted(records)))

@@ -14,42 +14,57 @@ from oryx_gradlog.record import _compat
 _compat.check_supported()
 
 from oryx_gradlog.record import _oryx_rules  # noqa: F401  (installs Oryx rules)
-from oryx_gradlog.analyses._accounting import (
+from oryx_gradlog.analyses.per_example._accounting import (
     dp_epsilon,
     dp_noise_multiplier,
 )
-from oryx_gradlog.analyses._clip import (
+from oryx_gradlog.analyses.per_example._clip import (
     ClippedGrads,
+    clipped_grad,
     clipped_grads,
     to_param_tree,
 )
-from oryx_gradlog.analyses._cockpit import (
+from oryx_gradlog.analyses.per_example._coverage import (
+    LayerCoverage,
+    ParamCoverage,
+    UseCoverage,
+    layer_coverage,
+)
+from oryx_gradlog.analyses.instruments._cockpit import (
     InstrumentsState,
     InstrumentsTransform,
+    Schedule,
+    linear_schedule,
+    logarithmic_schedule,
     training_instruments,
 )
-from oryx_gradlog.analyses._curvature import (
+from oryx_gradlog.analyses.curvature._curvature import (
     KFACFactors,
     LayerParams,
     gradient_variance,
     kfac_factors,
     sum_grad_squared,
 )
-from oryx_gradlog.analyses._ghost import (
+from oryx_gradlog.analyses.per_example._ghost import (
     PerExampleNorms,
     per_example_norms,
 )
-from oryx_gradlog.analyses._hessian import (
+from oryx_gradlog.analyses.curvature._hessian import (
+    hessian_diagonal,
     hessian_max_eigenvalue,
     hessian_trace,
 )
-from oryx_gradlog.analyses._instruments import (
+from oryx_gradlog.analyses.instruments._histograms import (
+    GradientHistograms,
+    gradient_histograms,
+)
+from oryx_gradlog.analyses.instruments._instruments import (
     BatchSizeTests,
     GradientSNR,
     batch_size_tests,
     gradient_snr,
 )
-from oryx_gradlog.analyses._step_quality import (
+from oryx_gradlog.analyses.instruments._step_quality import (
     step_alpha,
     update_size,
 )
@@ -65,17 +80,17 @@ from oryx_gradlog.statistics._moving_average import (
     MovingAverage,
     moving_average,
 )
-from oryx_gradlog.analyses._nan import (
+from oryx_gradlog.analyses.debugging._nan import (
     NonFiniteReport,
     find_nonfinite,
     raise_if_nonfinite,
 )
-from oryx_gradlog.analyses._noise import (
+from oryx_gradlog.analyses.instruments._noise import (
     GradientNoise,
     NoiseScale,
     gradient_noise_scale,
 )
-from oryx_gradlog.analyses._privacy import (
+from oryx_gradlog.analyses.per_example._privacy import (
     DPNoiseState,
     DPNoiseTransform,
     PoissonBatch,
@@ -86,6 +101,10 @@ from oryx_gradlog.analyses._privacy import (
 from oryx_gradlog.record._reap import (
     call_and_reap,
     reap,
+)
+from oryx_gradlog.record._record_layers import (
+    LayerUse,
+    record_layers,
 )
 from oryx_gradlog.record._record import (
     VJPRecord,
@@ -119,27 +138,34 @@ __all__ = (
     "DEFAULT_TAG",
     "DPNoiseState",
     "DPNoiseTransform",
+    "GradientHistograms",
     "GradientNoise",
     "GradientSNR",
     "InstrumentsState",
     "InstrumentsTransform",
     "KFACFactors",
+    "LayerCoverage",
     "LayerInputs",
     "LayerParams",
+    "LayerUse",
     "Logged",
     "MovingAverage",
     "NoiseScale",
+    "ParamCoverage",
     "NonFiniteReport",
     "PerExampleNorms",
     "PoissonBatch",
     "RunLog",
     "RunningStats",
+    "Schedule",
     "StatisticsTransform",
     "Summary",
+    "UseCoverage",
     "VJPRecord",
     "add_dp_noise",
     "batch_size_tests",
     "call_and_reap",
+    "clipped_grad",
     "clipped_grads",
     "conv2d",
     "dense",
@@ -151,12 +177,17 @@ __all__ = (
     "export_tensorboard",
     "find_nonfinite",
     "gradient_noise_scale",
+    "gradient_histograms",
     "gradient_snr",
     "gradient_variance",
     "hessian_max_eigenvalue",
+    "hessian_diagonal",
     "hessian_trace",
     "kfac_factors",
+    "layer_coverage",
     "layer_norm",
+    "linear_schedule",
+    "logarithmic_schedule",
     "magnitude_bins",
     "moving_average",
     "open_run",
@@ -164,6 +195,7 @@ __all__ = (
     "poisson_batch",
     "raise_if_nonfinite",
     "reap",
+    "record_layers",
     "record_vjp",
     "report",
     "running_statistics",

@@ -482,7 +482,7 @@ def test_noise_scale_tracked_with_a_moving_average_of_its_estimates():
 def test_noise_scale_needs_a_batch_of_two():
   params, x, y = mlp_setup(batch=1)
   records = jax.eval_shape(gl.reap(jax.grad(_batch_loss(mlp_loss))), params, x, y)
-  with pytest.raises(ValueError, match="gradient_noise_scale: .* batch size of at least 2"):
+  with pytest.raises(ValueError, match="gradient_noise_scale: .* a batch of at least 2"):
     jax.eval_shape(gl.gradient_noise_scale, records)
 
 
@@ -593,7 +593,7 @@ def test_errors_name_the_api_the_record_and_the_fix():
   norms = jax.eval_shape(gl.per_example_norms, records)
   assert list(norms.layers) == ["fc"]  # The tap is left out.
   with pytest.raises(ValueError, match=r"per_example_norms\(names=...\): 'h' is not a layer "
-                     r"record \(mark the layer with gl.dense"):
+                     r"record \(record the model with gl.record_layers, or mark the layer with gl.dense"):
     gl.per_example_norms(records, names=["fc", "h"])
   with pytest.raises(ValueError, match=r"per_example_norms: none of the records \['h'\]"):
     gl.per_example_norms({"h": records["h"]})

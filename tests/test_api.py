@@ -23,7 +23,13 @@ def test_all_is_the_documented_api():
       # Training instruments (issue 13).
       "BatchSizeTests", "GradientSNR", "InstrumentsState", "InstrumentsTransform",
       "batch_size_tests", "gradient_snr", "hessian_max_eigenvalue", "hessian_trace",
-      "step_alpha", "training_instruments", "update_size"])
+      "step_alpha", "training_instruments", "update_size",
+      # Cockpit's instruments, all of them (issue 19).
+      "GradientHistograms", "Schedule", "gradient_histograms", "hessian_diagonal",
+      "linear_schedule", "logarithmic_schedule",
+      # Any model, unchanged (issue 17).
+      "LayerCoverage", "LayerUse", "ParamCoverage", "UseCoverage", "clipped_grad",
+      "layer_coverage", "record_layers"])
   assert gl.DEFAULT_TAG == "vjp"
 
 

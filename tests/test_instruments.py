@@ -10,6 +10,9 @@ import pytest
 
 import oryx_gradlog as gl
 
+ECONOMY = ("alpha", "distance", "grad_hist_1d", "grad_norm", "inner_product_test", "loss",
+           "norm_test", "orthogonality_test", "update_size")
+
 VARIANTS = {"eager": lambda f: f, "jit": jax.jit}
 B = 6
 
@@ -68,15 +71,20 @@ def test_batch_size_tests_match_vmap_grad(wrap, reduction, method):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gradient_snr_matches_vmap_grad(reduction):
   params, x, y, marked, plain = _model(reduction)
-  grads, _ = _per_example(plain, params, x, y)
-  snr = gl.gradient_snr(gl.reap(jax.grad(marked))(params, x, y), reduction=reduction)
-  expected = jax.tree.map(lambda g: g.mean(0) ** 2 / g.var(0), grads)
+  grads, flat = _per_example(plain, params, x, y)
+  # True computation: Cockpit's MeanGSNR, gbar^2 / (mean_i g_i^2 - gbar^2 + 1e-5).
+  snr = lambda g: g.mean(0) ** 2 / ((g ** 2).mean(0) - g.mean(0) ** 2 + 1e-5)
+  expected = jax.tree.map(snr, grads)
+  # Library computation.
+  result = gl.gradient_snr(gl.reap(jax.grad(marked))(params, x, y), reduction=reduction)
+  # Comparison.
   for i in (1, 2):
-    np.testing.assert_allclose(snr.layers[f"fc{i}"].w, expected[f"w{i}"], rtol=2e-3)
-    np.testing.assert_allclose(snr.layers[f"fc{i}"].b, expected[f"b{i}"], rtol=2e-3)
+    np.testing.assert_allclose(result.layers[f"fc{i}"].w, expected[f"w{i}"], rtol=2e-3)
+    np.testing.assert_allclose(result.layers[f"fc{i}"].b, expected[f"b{i}"], rtol=2e-3)
+  np.testing.assert_allclose(result.mean, snr(flat).mean(), rtol=2e-3)
   means = [jnp.concatenate([expected[f"w{i}"].ravel(), expected[f"b{i}"]]).mean()
            for i in (1, 2)]
-  np.testing.assert_allclose(snr.mean, np.mean(means), rtol=2e-3)
+  np.testing.assert_allclose(result.mean_over_layers, np.mean(means), rtol=2e-3)
 
 
 def test_batch_of_one_is_an_error():
@@ -104,7 +112,17 @@ def test_curvature_matches_eigh_and_trace_of_the_dense_hessian():
     gl.hessian_trace(loss, params, key=jax.random.PRNGKey(0), num_products=0)
 
 
-def test_alpha_on_a_quadratic_matches_its_definition():
+def _cockpit_alpha(t, fs, dfs, var_fs, var_dfs):
+  """Cockpit's alpha in float64 numpy: the weighted least-squares parabola."""
+  var = np.array(var_fs + var_dfs, np.float64)
+  var = np.where(var == 0, 1e-10, var)
+  phi = np.array([[1, 0, 0], [1, t, t * t], [0, 1, 0], [0, 1, 2 * t]], np.float64)
+  weights = np.diag(1 / var)
+  mu = np.linalg.solve(phi.T @ weights @ phi, phi.T @ weights @ np.array(fs + dfs))
+  return -1.0 if mu[2] < 0 else 2 * t / (-mu[1] / mu[2]) - 1
+
+
+def test_alpha_matches_cockpits_weighted_fit_and_the_quadratic():
   a = jnp.array([[3.0, 1.0], [1.0, 2.0]])
   f = lambda w: 0.5 * w @ a @ w + jnp.array([1.0, -1.0]) @ w
   w0 = jnp.array([1.0, 2.0])
@@ -112,99 +130,275 @@ def test_alpha_on_a_quadratic_matches_its_definition():
     d = -lr * jax.grad(f)(w0)
     # True computation: the minimum of f(w0 + t d) is at t* = -<grad, d> / d^T H d.
     t_star = -(jax.grad(f)(w0) @ d) / (d @ jax.hessian(f)(w0) @ d)
-    expected = 1 / t_star - 1
-    alpha = gl.step_alpha(f(w0), jax.grad(f)(w0) @ d, f(w0 + d), jax.grad(f)(w0 + d) @ d)
-    np.testing.assert_allclose(alpha, expected, rtol=1e-4, atol=1e-5)
-  assert jnp.isnan(gl.step_alpha(0.0, -1.0, -2.0, -3.0))  # concave: no minimum
+    alpha = gl.step_alpha(f(w0), jax.grad(f)(w0) @ d, f(w0 + d), jax.grad(f)(w0 + d) @ d,
+                          update_size=jnp.linalg.norm(d))
+    np.testing.assert_allclose(alpha, 1 / t_star - 1, rtol=1e-4, atol=1e-5)
+    unweighted = gl.step_alpha(f(w0), jax.grad(f)(w0) @ d, f(w0 + d),
+                               jax.grad(f)(w0 + d) @ d, fit="unweighted")
+    np.testing.assert_allclose(unweighted, 1 / t_star - 1, rtol=1e-4, atol=1e-5)
+  # Concave: Cockpit reads -1, the unweighted fit NaN; a step of length 0 reads -1.
+  assert gl.step_alpha(0.0, -1.0, -2.0, -3.0, update_size=1.0) == -1
+  assert jnp.isnan(gl.step_alpha(0.0, -1.0, -2.0, -3.0, fit="unweighted"))
+  assert gl.step_alpha(1.0, 0.0, 1.0, 0.0, update_size=0.0) == -1
+  # Noisy per-example observations: Cockpit's weighted fit in float64.
+  keys = jax.random.split(jax.random.PRNGKey(5), 4)
+  obs = [m + s * jax.random.normal(k, (8,))
+         for m, s, k in zip((1.0, -2.0, 0.6, -0.4), (0.3, 1.0, 0.1, 2.0), keys)]
+  t = 0.7
+  expected = _cockpit_alpha(t, [float(obs[0].mean()), float(obs[2].mean())],
+                            [float(obs[1].mean()) / t, float(obs[3].mean()) / t],
+                            [float(obs[0].var(ddof=1)), float(obs[2].var(ddof=1))],
+                            [float(obs[1].var(ddof=1)) / t**2, float(obs[3].var(ddof=1)) / t**2])
+  np.testing.assert_allclose(gl.step_alpha(*obs, update_size=t), expected, rtol=1e-4)
+  with pytest.raises(ValueError, match="give update_size"):
+    gl.step_alpha(*obs)
 
 
-def test_training_instruments_economy_in_a_jitted_loop():
-  x = jnp.array([[1.0, 0.0], [0.0, 2.0], [2.0, 0.0]])  # Hessian diag(5, 4) / 3
-  marked = lambda w: jnp.mean(0.5 * jnp.sum(gl.dense(x, w, name="fc") ** 2, -1))
-  plain = lambda w: jnp.mean(0.5 * jnp.sum((x @ w) ** 2, -1))
-  w0 = jnp.array([[1.0], [1.0]])
-  instruments = gl.training_instruments("full", curvature_every=2, num_products=50)
+# A least-squares layer whose Hessian is diagonal (X^T X = diag(5, 4)), so that the
+# Hutchinson estimates of the curvature instruments are exact.
+X = jnp.array([[1.0, 0.0], [0.0, 2.0], [2.0, 0.0]])
+Y = jnp.array([[0.5, -1.0], [1.0, 0.0], [-0.5, 2.0]])
+LR = 0.3
+
+
+def _losses(w, dense):
+  return 0.5 * jnp.sum((dense(X, w, name="fc") - Y) ** 2, -1)
+
+
+def _marked(w):
+  losses = _losses(w, gl.dense)
+  return jnp.mean(losses), losses
+
+
+def _plain(w):
+  return jnp.mean(_losses(w, lambda x, w, name: x @ w))
+
+
+def _reference(w, w_previous, w0, w_before_previous):
+  """Every instrument at `w` by its (Cockpit's) definition, from vmap(grad) and the
+  dense Hessian."""
+  one = lambda w, x, y: 0.5 * jnp.sum((x @ w - y) ** 2)
+  per_example = lambda w: jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(w, X, Y).reshape(3, -1)
+  losses = lambda w: jax.vmap(one, in_axes=(None, 0, 0))(w, X, Y)
+  g = np.asarray(per_example(w), np.float64)
+  gbar, s2, b = g.mean(0), (g ** 2).sum(0), 3
+  hessian = np.asarray(jax.hessian(lambda v: _plain(v.reshape(2, 2)))(w.ravel()))
+  diag = np.diag(hessian)
+  products, gsq, pairs = g @ gbar, gbar @ gbar, b * (b - 1)
+  ref = {
+      "norm_test": np.sqrt(np.sum((g - gbar) ** 2) / pairs) / np.sqrt(gsq),
+      "inner_product_test": np.sqrt(np.sum((products - gsq) ** 2) / pairs) / gsq,
+      "orthogonality_test": np.sqrt(np.sum((g - np.outer(products / gsq, gbar)) ** 2)
+                                    / pairs) / np.sqrt(gsq),
+      "loss": float(_plain(w)),
+      "grad_norm": np.linalg.norm(gbar),
+      "update_size": np.linalg.norm(LR * gbar),
+      "distance": np.linalg.norm(w - w0),
+      "mean_gsnr": np.mean(gbar**2 / (s2 / b - gbar**2 + 1e-5)),
+      "early_stopping": 1 - b * np.mean(gbar**2 / ((s2 - b * gbar**2) / (b - 1) + 1e-5)),
+      "cabs": LR * np.sum(s2 / b - gbar**2) / float(_plain(w)),
+      "tic_diag": np.sum(s2 / b / (diag + 1e-7)),
+      "tic_trace": np.sum(s2 / b) / (np.trace(hessian) + 1e-7),
+      "hessian_trace": np.trace(hessian),
+      "hessian_max_eigenvalue": np.linalg.eigvalsh(hessian)[-1],
+      "grad_hist_1d": np.histogram(np.clip(g, -2, 2), bins=100, range=(-2, 2))[0],
+      "grad_hist_2d": np.histogram2d(
+          np.clip(g, -1 + 0.025, 1 - 0.025).ravel(),
+          np.clip(np.broadcast_to(np.asarray(w).ravel(), g.shape), -2 + 0.04, 2 - 0.04).ravel(),
+          bins=(40, 50), range=((-1, 1), (-2, 2)))[0],
+  }
+  if w_previous is not None:  # alpha of the update w_previous -> w.
+    d = np.asarray(w - w_previous, np.float64).ravel()
+    t = np.linalg.norm(d)
+    before, after = np.asarray(per_example(w_previous)) @ d / t, g @ d / t
+    f0, f1 = np.asarray(losses(w_previous)), np.asarray(losses(w))
+    ref["alpha"] = _cockpit_alpha(t, [f0.mean(), f1.mean()], [before.mean(), after.mean()],
+                                  [f0.var(ddof=1), f1.var(ddof=1)],
+                                  [before.var(ddof=1), after.var(ddof=1)])
+  return ref, hessian
+
+
+ALL = gl.analyses.instruments._cockpit.INSTRUMENTS  # pylint: disable=protected-access
+
+
+def _found(w, x, y):
+  """The least-squares loss with no layer marked: gl.record_layers finds `x @ w`."""
+  losses = 0.5 * jnp.sum((x @ w - y) ** 2, -1)
+  return jnp.mean(losses), losses
+
+
+# The layers marked by hand, and found by gl.record_layers in the plain model.
+LOSSES = {"marked": _marked, "found": lambda w: gl.record_layers(_found)(w, X, Y)}
+
+
+@pytest.mark.parametrize("recorded", LOSSES.values(), ids=LOSSES.keys())
+def test_every_instrument_matches_its_definition_in_a_jitted_loop(recorded):
+  w0 = jnp.array([[1.0, -0.5], [0.5, 1.0]])
+  instruments = gl.training_instruments(ALL, curvature_every=1, num_products=80)
   state = instruments.init(w0)
 
   @jax.jit
   def step(state, w):
-    (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(w)
-    updates = -0.3 * grads
-    readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
-                                         updates=updates, hessian_loss=plain)
+    ((value, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(recorded, has_aux=True))(w)
+    updates = -LR * grads
+    readings, state = instruments.update(
+        state, records, loss=value, grads=grads, params=w, updates=updates, losses=losses,
+        learning_rate=LR, hessian_loss=_plain)
     return readings, state, w + updates
 
-  w = w0
-  history = []
+  ws, history = [w0], []
   for _ in range(3):
-    before = w
-    readings, state, w = step(state, w)
-    history.append((before, readings))
-  hessian = jax.hessian(lambda v: plain(v.reshape(2, 1)))(w0.ravel())
-  assert len(readings) == 11 and step._cache_size() == 1  # no retrace
-  np.testing.assert_allclose(readings["hessian_trace"], jnp.trace(hessian), rtol=1e-4)
-  np.testing.assert_allclose(readings["hessian_max_eigenvalue"],
-                             jnp.linalg.eigh(hessian)[0][-1], rtol=1e-4)
-  # alpha at step 2 is that of step 1's update, by its definition on this quadratic.
-  w1, w2 = history[1][0], history[2][0]
-  d = (w2 - w1).ravel()
-  g1 = jax.grad(plain)(w1).ravel()
-  expected = -(d @ hessian @ d) / (g1 @ d) - 1
-  np.testing.assert_allclose(history[2][1]["alpha"], expected, rtol=1e-4)
-  assert jnp.isnan(history[0][1]["alpha"])
-  np.testing.assert_allclose(readings["distance"], jnp.linalg.norm(w2 - w0), rtol=1e-5)
-  np.testing.assert_allclose(readings["update_size"], jnp.linalg.norm(w - w2), rtol=1e-5)
-  np.testing.assert_allclose(readings["grad_norm"], jnp.linalg.norm(jax.grad(plain)(w2)),
+    readings, state, w = step(state, ws[-1])
+    ws.append(w)
+    history.append(readings)
+  assert step._cache_size() == 1  # no retrace
+  assert jnp.isnan(history[0]["alpha"])
+  for t in (1, 2):
+    ref, hessian = _reference(ws[t], ws[t - 1], w0, None)
+    readings = history[t]
+    assert set(readings) == set(ALL) | {"per_parameter"}
+    for name in ALL:
+      got = readings[name]["counts"] if name.startswith("grad_hist") else readings[name]
+      np.testing.assert_allclose(got, ref[name], rtol=2e-4, atol=1e-6, err_msg=name)
+    # Per-parameter readings, keyed like the parameters (one leaf here).
+    per = readings["per_parameter"]
+    np.testing.assert_allclose(per["grad_norm"], ref["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(per["hessian_trace"], np.trace(hessian), rtol=1e-5)
+  np.testing.assert_allclose(history[1]["grad_hist_1d"]["edges"], np.linspace(-2, 2, 101),
+                             atol=1e-6)
+
+
+def test_per_parameter_readings_are_keyed_like_the_parameters():
+  params, x, y, marked, plain = _model("mean")
+  instruments = gl.training_instruments(("grad_norm", "update_size", "distance",
+                                         "hessian_trace"), num_products=3)
+  state = instruments.init(params)
+  batch_loss = lambda p: marked(p, x, y)
+  (value, grads), records = gl.call_and_reap(jax.value_and_grad(batch_loss))(params)
+  moved = jax.tree.map(lambda p: p + 0.1, params)
+  updates = jax.tree.map(lambda g: -0.1 * g, grads)
+  readings, _ = jax.jit(lambda s, r, g, p, u: instruments.update(
+      s, r, loss=value, grads=g, params=p, updates=u,
+      hessian_loss=lambda p: jnp.mean(jax.vmap(plain, in_axes=(None, 0, 0))(p, x, y))))(
+          state, records, grads, moved, updates)
+  per = readings["per_parameter"]
+  for name, tree in (("grad_norm", grads), ("update_size", updates),
+                     ("distance", jax.tree.map(lambda p: p * 0 + 0.1, params))):
+    assert jax.tree.structure(per[name]) == jax.tree.structure(params)
+    expected = jax.tree.map(jnp.linalg.norm, tree)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), per[name], expected)
+    np.testing.assert_allclose(readings[name], np.sqrt(sum(
+        float(v) ** 2 for v in jax.tree.leaves(expected))), rtol=1e-5)
+  np.testing.assert_allclose(readings["hessian_trace"], sum(jax.tree.leaves(per["hessian_trace"])),
                              rtol=1e-5)
-  np.testing.assert_allclose(readings["loss"], plain(w2), rtol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["traced", "static"])
-def test_every_k_steps_reads_the_instruments_on_read_steps_only(schedule):
-  x = jnp.array([[1.0, 0.0], [0.0, 2.0], [2.0, 0.0]])  # Hessian diag(5, 4) / 3
-  marked = lambda w: jnp.mean(0.5 * jnp.sum(gl.dense(x, w, name="fc") ** 2, -1))
-  plain = lambda w: jnp.mean(0.5 * jnp.sum((x @ w) ** 2, -1))
-  hessian = jax.hessian(lambda v: plain(v.reshape(2, 1)))(jnp.ones(2))
-  w0 = jnp.array([[1.0], [0.5]])
-  instruments = gl.training_instruments("economy", every=3)
+def test_hessian_diagonal_converges_to_the_dense_diagonal():
+  params, x, y, _, plain = _model("mean")
+  loss = lambda p: jnp.mean(jax.vmap(plain, in_axes=(None, 0, 0))(p, x, y))
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  hessian = jax.hessian(lambda v: loss(unravel(v)))(flat)
+  n = 2000
+  diagonal = jax.jit(lambda p: gl.hessian_diagonal(loss, p, key=jax.random.PRNGKey(3),
+                                                   num_products=n))(params)
+  estimate = jax.flatten_util.ravel_pytree(diagonal)[0]
+  off = hessian - jnp.diag(jnp.diag(hessian))
+  std = jnp.sqrt(jnp.sum(off ** 2, axis=1) / n)  # Per element.
+  assert bool(jnp.all(jnp.abs(estimate - jnp.diag(hessian)) < 5 * std + 1e-6))
+  trace = gl.hessian_trace(loss, params, key=jax.random.PRNGKey(3), num_products=n)
+  np.testing.assert_allclose(trace, jnp.sum(estimate), rtol=1e-4)
+
+
+def test_gradient_histograms_on_every_layer_kind_match_vmap_grad():
+  p, ids, img, y = _every_layer_kind_inputs()
+  one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
+  grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)
+  batch_loss = lambda p: jnp.mean(_every_layer_kind(p, ids, img, y))
+  records = gl.reap(jax.grad(batch_loss))(p)
+  hist = jax.jit(lambda r: gl.gradient_histograms(r, tied=("tied",)))(records)
+  # True computation: every element of every example's gradient; dense_dot_general's
+  # bias ("db") has no recorded value, so the 2-D histogram leaves it out.
+  g = np.concatenate([np.asarray(v).reshape(5, -1) for v in jax.tree.leaves(grads)], 1)
+  np.testing.assert_array_equal(
+      hist.counts_1d, np.histogram(np.clip(g, -2, 2), bins=100, range=(-2, 2))[0])
+  pairs = [(np.asarray(grads[k]), np.asarray(p[k])) for k in p if k != "db"]
+  xs = np.concatenate([np.clip(gk, -0.975, 0.975).ravel() for gk, _ in pairs])
+  ys = np.concatenate([np.clip(np.broadcast_to(pk, gk.shape), -1.96, 1.96).ravel()
+                       for gk, pk in pairs])
+  np.testing.assert_array_equal(
+      hist.counts_2d, np.histogram2d(xs, ys, bins=(40, 50), range=((-1, 1), (-2, 2)))[0])
+  # GSNR over every parameter of every layer kind (Cockpit's MeanGSNR, eps 1e-5).
+  snr = gl.gradient_snr(records, tied=("tied",))
+  np.testing.assert_allclose(
+      snr.mean, np.mean(g.mean(0) ** 2 / ((g ** 2).mean(0) - g.mean(0) ** 2 + 1e-5)),
+      rtol=2e-3)
+
+
+def test_schedules_are_cockpits():
+  linear = gl.linear_schedule(4, offset=2)
+  assert [t for t in range(15) if linear(t)] == [2, 6, 10, 14]
+  assert [bool(linear(jnp.int32(t))) for t in range(7)] == [linear(t) for t in range(7)]
+  # Cockpit: torch.logspace(0, 3, 10, dtype=int), and 0.
+  log = gl.logarithmic_schedule(0, 3, steps=10)
+  assert [t for t in range(1001) if log(t)] == [0, 1, 2, 4, 10, 21, 46, 100, 215, 464, 1000]
+  assert bool(log(jnp.int32(46))) and not bool(log(jnp.int32(47)))
+  with pytest.raises(ValueError, match=r"linear_schedule\(interval=0\)"):
+    gl.linear_schedule(0)
+
+
+SCHEDULES = {"traced": 3, "static": 3, "function": gl.linear_schedule(3),
+             "static function": gl.linear_schedule(3)}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES.values(), ids=SCHEDULES.keys())
+def test_every_k_steps_reads_the_instruments_on_read_steps_only(request, schedule):
+  static = "static" in request.node.callspec.id
+  w0 = jnp.array([[1.0, -0.5], [0.5, 1.0]])
+  instruments = gl.training_instruments("economy", every=schedule)
 
   @functools.partial(jax.jit, static_argnames="phase")
   def step(state, w, phase=None):
-    (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(w)
-    updates = -0.3 * grads
+    ((value, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(_marked, has_aux=True))(w)
+    updates = -LR * grads
     readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
-                                         updates=updates, phase=phase)
+                                         updates=updates, losses=losses, phase=phase)
     return readings, state, w + updates
 
   state, ws, history = instruments.init(w0), [w0], []
   for t in range(7):
-    phase = instruments.phase(t) if schedule == "static" else None
-    readings, state, w = step(state, ws[-1], phase=phase)
+    readings, state, w = step(state, ws[-1], phase=instruments.phase(t) if static else None)
     ws.append(w)
     history.append(readings)
   # One program (traced schedule), or one per phase: read, skip, start.
-  assert step._cache_size() == (1 if schedule == "traced" else 3)
+  assert step._cache_size() == (3 if static else 1)
   assert [instruments.phase(t) for t in range(7)] == [
       "read", "skip", "start", "read", "skip", "start", "read"]
   for t, readings in enumerate(history):
-    if t % 3:  # Between read steps: NaN.
-      assert all(jnp.isnan(v) for v in readings.values()), (t, readings)
+    if t % 3:  # Between read steps: NaN, histogram counts -1.
+      assert all(bool(jnp.all(jnp.isnan(v) | (v == -1)))
+                 for v in jax.tree.leaves(readings)), (t, readings)
       continue
     # Read steps, by definition in plain JAX.
-    w, grad = ws[t], jax.grad(plain)(ws[t])
-    np.testing.assert_allclose(readings["loss"], plain(w), rtol=1e-6)
-    np.testing.assert_allclose(readings["grad_norm"], jnp.linalg.norm(grad), rtol=1e-5)
-    np.testing.assert_allclose(readings["update_size"], jnp.linalg.norm(0.3 * grad), rtol=1e-5)
-    np.testing.assert_allclose(readings["distance"], jnp.linalg.norm(w - w0), rtol=1e-5,
-                               atol=1e-7)
-    if t == 0:
-      assert jnp.isnan(readings["alpha"])
-      continue
-    # alpha of the update from step t - 1 to t, on this quadratic.
-    d = (ws[t] - ws[t - 1]).ravel()
-    g = jax.grad(plain)(ws[t - 1]).ravel()
-    np.testing.assert_allclose(readings["alpha"], -(d @ hessian @ d) / (g @ d) - 1,
-                               rtol=1e-4)
+    ref, _ = _reference(ws[t], ws[t - 1] if t else None, w0, None)
+    for name in ECONOMY:
+      if name == "alpha" and t == 0:
+        assert jnp.isnan(readings["alpha"])
+        continue
+      got = readings[name]["counts"] if name == "grad_hist_1d" else readings[name]
+      np.testing.assert_allclose(got, ref[name], rtol=2e-4, atol=1e-6, err_msg=name)
+
+
+def test_presets_are_cockpits_configurations():
+  # cockpit.utils.configuration.quantities_cls_for_configuration, by our names.
+  economy = {"alpha", "distance", "grad_hist_1d", "grad_norm", "inner_product_test", "loss",
+             "norm_test", "orthogonality_test", "update_size"}
+  business = economy | {"tic_diag", "hessian_trace"}
+  full = business | {"hessian_max_eigenvalue", "grad_hist_2d"}
+  presets = gl.analyses.instruments._cockpit.PRESETS  # pylint: disable=protected-access
+  assert (set(presets["economy"]), set(presets["business"]), set(presets["full"])) == (
+      economy, business, full)
 
 
 def test_presets_and_bad_arguments():
@@ -216,16 +410,43 @@ def test_presets_and_bad_arguments():
   for bad in (0, 1.5, True):
     with pytest.raises(ValueError, match=r"every=.*positive integer"):
       gl.training_instruments("economy", every=bad)
-  instruments = gl.training_instruments("business")
+  instruments = gl.training_instruments("business", every=2)
   marked = lambda w: jnp.mean(gl.dense(jnp.ones((2, 1)), w, name="fc") ** 2)
   (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(jnp.ones((1, 1)))
-  with pytest.raises(ValueError, match="need hessian_loss"):
-    instruments.update(instruments.init(jnp.ones((1, 1))), records, loss=value, grads=grads,
-                       params=jnp.ones((1, 1)), updates=grads)
-  with pytest.raises(ValueError, match=r"phase='sometimes'.*instruments.phase\(step\)"):
-    instruments.update(instruments.init(jnp.ones((1, 1))), records, loss=value, grads=grads,
-                       params=jnp.ones((1, 1)), updates=grads, hessian_loss=lambda w: 0.0,
+  args = dict(loss=value, grads=grads, params=jnp.ones((1, 1)), updates=grads)
+  # Every problem is named at once: hessian_loss, losses, the phase.
+  with pytest.raises(ValueError, match=r"need hessian_loss.*alpha needs losses.*"
+                     r"phase='sometimes'.*instruments.phase\(step\)"):
+    instruments.update(instruments.init(jnp.ones((1, 1))), records, **args,
                        phase="sometimes")
+  cabs = gl.training_instruments(("cabs",))
+  with pytest.raises(ValueError, match="cabs needs learning_rate"):
+    cabs.update(cabs.init(jnp.ones((1, 1))), records, **args)
+  # A layer whose weight is not a leaf of params itself (computed from it): name it
+  # in where; a transposed one cannot be placed.
+  w = jnp.array([[1.0, 2.0]])
+
+  def transposed(w):
+    losses = gl.dense(jnp.array([[1.0], [3.0]]), w + 0.0, name="fc")[:, 0] ** 2
+    return jnp.mean(losses), losses
+
+  @functools.partial(jax.jit, static_argnames="where")
+  def step(w, where=None):
+    ((value, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(transposed, has_aux=True))(w)
+    instruments = gl.training_instruments(("alpha",), where=where)
+    return instruments.update(instruments.init(w), records, loss=value, grads=grads,
+                              params=w, updates=-grads, losses=losses)
+
+  with pytest.raises(ValueError, match=r"records \['fc'\] have a weight .* Pass where="):
+    step(w)
+  assert jnp.isnan(step(w, where="fc.w")[0]["alpha"])  # Step 0: no alpha yet.
+  _, records = gl.call_and_reap(jax.grad(lambda w: transposed(w)[0]))(w)
+  placed = gl.training_instruments(("alpha",), where="fc.w")
+  with pytest.raises(ValueError, match=r"'fc.w' is recorded with shape \(1, 2\) but its "
+                     r"parameter has \(2, 1\)"):
+    placed.update(placed.init(w.T), records, loss=0.0, grads=w.T, params=w.T, updates=w.T,
+                  losses=jnp.ones(2))
 
 
 def test_report_draws_the_dashboard_from_logged_readings(tmp_path):
@@ -247,17 +468,54 @@ def test_report_draws_the_dashboard_from_logged_readings(tmp_path):
   assert (tmp_path / "run" / "report" / "instruments.png").exists()
 
 
+def test_report_draws_every_instrument_of_a_real_run(tmp_path):
+  pytest.importorskip("matplotlib")
+  pytest.importorskip("zarr")
+  w = jnp.array([[1.0, -0.5], [0.5, 1.0]])
+  instruments = gl.training_instruments(ALL, every=2, curvature_every=2, num_products=3)
+  state = instruments.init(w)
+
+  @functools.partial(jax.jit, static_argnames="phase")
+  def step(state, w, phase):
+    ((value, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(_marked, has_aux=True))(w)
+    readings, state = instruments.update(
+        state, records, loss=value, grads=grads, params=w, updates=-LR * grads,
+        losses=losses, learning_rate=LR, hessian_loss=_plain, phase=phase)
+    return readings, state, w - LR * grads
+
+  with gl.RunLog(tmp_path / "run") as log:
+    for t in range(5):
+      readings, state, w = step(state, w, instruments.phase(t))
+      log.append(t, {"instruments": {**readings, "time": np.float64(t * 0.5)}})
+  page = gl.report(tmp_path / "run", progress=False)
+  run = gl.open_run(tmp_path / "run")
+  # Read steps 0, 2, 4; the 1-D histogram counts every per-example gradient element.
+  counts = run["instruments.grad_hist_1d.counts"].values
+  assert counts[0].sum() == 3 * 4 and np.all(counts[1] == -1)
+  text = open(page, encoding="utf-8").read()
+  assert "<tr><td>time</td><td>0.5</td></tr>" in text  # Seconds per step.
+  last_alpha = run["instruments.alpha"].values[4]
+  assert f"<tr><td>alpha</td><td>{last_alpha:.4g}</td></tr>" in text
+  assert "instruments.per_parameter.grad_norm" in run
+
+
 def test_the_state_survives_a_step_that_donates_params_and_state():
   instruments = gl.training_instruments("economy")
-  marked = lambda w: jnp.mean(gl.dense(jnp.array([[1.0], [3.0]]), w, name="fc") ** 2)
+
+  def marked(w):
+    losses = gl.dense(jnp.array([[1.0], [3.0]]), w, name="fc")[:, 0] ** 2
+    return jnp.mean(losses), losses
+
   w = jnp.ones((1, 1))
   state = instruments.init(w)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(w, state):
-    (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(w)
+    ((value, losses), grads), records = gl.call_and_reap(
+        jax.value_and_grad(marked, has_aux=True))(w)
     readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
-                                         updates=-0.05 * grads)
+                                         updates=-0.05 * grads, losses=losses)
     return w - 0.05 * grads, state, readings
 
   for _ in range(3):
@@ -281,9 +539,8 @@ def _every_layer_kind(p, ids, img, y):
   return jnp.sum((out - y) ** 2, -1)
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
-def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap, method):
+def _every_layer_kind_inputs():
+  """Parameters and a batch of 5 for `_every_layer_kind`."""
   keys = iter(jax.random.split(jax.random.PRNGKey(3), 16))
   normal = lambda shape: jax.random.normal(next(keys), shape)
   p = {"emb": normal((7, 4)), "ln_s": normal((4,)), "ln_b": normal((4,)),
@@ -292,6 +549,13 @@ def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap, method):
        "db": normal((3,))}
   ids = jnp.array([[1, 1, 2], [3, 4, 3], [0, 6, 6], [5, 5, 5], [2, 1, 0]])
   img, y = normal((5, 6, 5, 2)), normal((5, 3))
+  return p, ids, img, y
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("wrap", VARIANTS.values(), ids=VARIANTS.keys())
+def test_batch_size_tests_on_every_layer_kind_match_vmap_grad(wrap, method):
+  p, ids, img, y = _every_layer_kind_inputs()
   # True computation: per-example gradients from vmap(grad).
   one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
   grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)

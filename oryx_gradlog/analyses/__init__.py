@@ -1,5 +1,12 @@
-"""Analyses from one backward pass: per-example norms, curvature factors, gradient
-noise, non-finite values, and DP-SGD's clipped gradients, noise and accounting.
+"""Analyses of the records of one backward pass, grouped by concern:
 
-Internal: the public names are in `oryx_gradlog`.
+* `per_example`: per-example norms, DP-SGD's clipped gradients, noise and accounting,
+  and the coverage report of `record_layers`;
+* `curvature`: K-FAC factors, second moments of per-example gradients, Hessian
+  products;
+* `instruments`: Cockpit's training instruments and the gradient noise scale;
+* `debugging`: where a non-finite value entered the backward pass.
+
+All read layer records through `oryx_gradlog.record._view`. Internal: the public
+names are in `oryx_gradlog`.
 """

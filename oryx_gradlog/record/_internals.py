@@ -16,6 +16,8 @@ this module.
 | `scan_p`, `cond_p`, `while_p`, `remat_p`, `jit_p` | keys of Oryx's reap-rule registry | `jax._src.pjit.pjit_p` became `jax.extend.core.primitives.jit_p` (JAX 0.7) |
 | `jax._src.core.set_current_trace`, `take_current_trace`, `subjaxprs`, `jaxprs_in_params` | reap rules bind in the parent trace; skip sow-free bodies; reset the trace after an Oryx error | unchanged; binding with `bind` under `set_current_trace` avoids `bind_with_trace`, which takes avals from JAX 0.9 |
 | `jax._src.sharding_impls.UnspecifiedValue` | tells a sharded `jit` from a plain one | unchanged |
+| `jax._src.source_info_util.user_frame` | `record_layers` names the source line of an unsupported use | unchanged |
+| `Primitive.get_bind_params`, `JaxprEqn.ctx` | `record_layers` re-binds a traced model's equations (as `jax.core.eval_jaxpr` does) | returns `(subfuns, params)` before JAX 0.7, `params` only after (`bind_eqn` detects which) |
 | `jax.experimental.shard_map.register_check`, `register_norewrite`, `_check_rules`, `_rewrite_rules` | replication rules for sites, and for their sows, inside `shard_map(check_rep=True)` (Oryx's own rules reject every sow there) | gone from JAX 0.7 (varying-manual-axes types replace them; an identity's abstract eval keeps them) |
 | abstract mesh's `manual_axes` | tells a site inside a `shard_map` body from one outside (error for a reap outside the body) | `jax.sharding.get_abstract_mesh` (public from JAX 0.6); older JAX has no manual axes there and uses the replication check above |
 | `oryx...harvest`: `ReapContext`, `HarvestSettings`, `harvest_trace`, `call_and_reap`, `_sow`, `_get_harvest_metadata`, `reap_custom_rules`, `sow_p` | the collector, and our reap rules for scan, cond and jit | unchanged on Oryx main (which fixed the scan rule's `linear` flags; ours stays for 0.2.9) |
@@ -45,7 +47,7 @@ __all__ = (
     "ad", "batching", "cond_p", "current_manual_axes", "harvest", "jaxpr_as_fun",
     "jaxprs_in_params", "jit_p", "mlir", "register_shard_map_identity", "remat_p",
     "scan_p", "set_current_trace", "sow", "subjaxprs", "take_current_trace", "while_p",
-    "route_shard_map_sows",
+    "route_shard_map_sows", "bind_eqn", "source_line",
 )
 
 # --- JAX -------------------------------------------------------------------------
@@ -76,6 +78,35 @@ try:  # JAX < 0.7: `shard_map(check_rep=True)` checks replication with per-primi
   from jax.experimental.shard_map import register_check, register_norewrite
 except ImportError:
   _shard_map_check_rules = _shard_map_rewrite_rules = None
+
+
+def bind_eqn(primitive: Primitive, params: dict[str, Any], invals: Any, ctx: Any = None) -> list:
+  """Binds `primitive` as an equation with `params` does; returns its outputs as a list.
+
+  As `jax.core.eval_jaxpr` does for each equation: higher-order primitives keep
+  their bodies in the params, which `get_bind_params` turns into what `bind` takes.
+  """
+  bind_params = primitive.get_bind_params(params)
+  subfuns = []
+  if isinstance(bind_params, tuple):  # JAX < 0.7: (subfuns, params).
+    subfuns, bind_params = bind_params
+  manager = getattr(ctx, "manager", None)
+  if manager is None:
+    out = primitive.bind(*subfuns, *invals, **bind_params)
+  else:
+    with manager:
+      out = primitive.bind(*subfuns, *invals, **bind_params)
+  return list(out) if primitive.multiple_results else [out]
+
+
+def source_line(eqn: Any) -> str:
+  """`file:line` of the user's code that made `eqn`, or `""` where JAX kept none."""
+  try:
+    from jax._src import source_info_util  # pylint: disable=g-import-not-at-top
+    frame = source_info_util.user_frame(eqn.source_info)
+  except Exception:  # pylint: disable=broad-except
+    return ""
+  return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""
 
 
 def register_shard_map_identity(primitive: Primitive, n_residuals: int) -> None:

@@ -15,6 +15,9 @@ mode, so `jax.jvp`, `jax.jacfwd` and `jax.hessian` of a recorded function would
 fail. These primitives have JVP, transpose, batching, lowering and DCE rules, so a
 recorded function stays an ordinary JAX function under every transformation, and
 all three lower to nothing: the compiled program is the plain one plus the records.
+`gl.record_layers`, which finds the layers of any model in its jaxpr, wraps each use
+of a parameter in these same sites (through `record_vjp(..., full=True)`), so found
+layers keep forward mode too.
 
 Sharp edges:
   * Only the first reverse-mode pass that reaches a site records it. Derivatives of
@@ -52,6 +55,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from oryx_gradlog.record import _internals
 from oryx_gradlog.record._internals import NOT_MAPPED, Primitive, ad, batching, mlir, sow
@@ -215,19 +219,21 @@ _internals.route_shard_map_sows(_is_site_sow_in_shard_map)
 
 
 def _shape_witness(x):
-  """A zero-size array with the shape, dtype and batch axes of `x`, plus one axis."""
-  return jnp.asarray(x)[..., None][..., :0]
+  """A zero-size array with the shape, dtype and batch axes of `x`, plus one axis.
+
+  One `lax` primitive each (sites are many in a found model: no `jnp` indexing)."""
+  return lax.broadcast_in_dim(x, (*jnp.shape(x), 0), tuple(range(jnp.ndim(x))))
 
 
 def _site_jvp(primals, tangents, *, name, tag, component, treedef, mask, full):
   _check_reap_not_outside_shard_map(name, tag, _internals.current_manual_axes())
   uid = next(_uids)
-  masked = [p for p, m in zip(primals, mask) if m]
+  witnesses = [_shape_witness(p) for p, m in zip(primals, mask) if m]
   # Zero-size, and batched under a vmap exactly when some leaf of the site is.
-  batch = jnp.ravel(masked[0])[:0]
-  for p in masked[1:]:
-    (batch,) = batch_first_p.bind(jnp.ravel(p)[:0], batch)
-  fill = iter(batch_first_p.bind(batch, *map(_shape_witness, masked)))
+  batch = lax.reshape(witnesses[0], (0,))
+  for w in witnesses[1:]:
+    (batch,) = batch_first_p.bind(lax.reshape(w, (0,)), batch)
+  fill = iter(batch_first_p.bind(batch, *witnesses))
   _, sown_shapes = sow(
       (treedef.unflatten(primals) if full else None,
        treedef.unflatten([next(fill) if m else None for m in mask])),

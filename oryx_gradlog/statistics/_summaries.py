@@ -59,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from oryx_gradlog.record._layers import LayerInputs, call_axes, is_layer_record
+from oryx_gradlog.record._layers import LayerInputs
+from oryx_gradlog.record._view import call_axes, is_layer_record
 from oryx_gradlog.record._record import VJPRecord
 
 

@@ -18,9 +18,10 @@
 * `index.html`: all of the above, a table of the summaries' last step and of each
   scalar series' last finite value;
 * `dashboard.html` and `instruments.png`, when the run logged training instruments
-  (`gl.training_instruments` readings appended under `"instruments"`): one panel per
-  instrument over steps, grouped as Cockpit's dashboard is (step size, gradients,
-  curvature), and the last step's readings.
+  (`gl.training_instruments` readings appended under `"instruments"`): laid out as
+  Cockpit's dashboard (step size, gradients and curvature columns, the loss and
+  step time below, then Cockpit's second screen), per-parameter readings beside
+  the global ones, the last read step's gradient histograms, and the last readings.
 
 `python -m oryx_gradlog report RUN_DIR` (or the console script `oryx-gradlog`) runs it.
 
@@ -34,8 +35,8 @@ Sharp edges:
   * Instruments are the variables named `instruments.NAME`; NaN readings (alpha at
     the first step, curvature before its first use, the steps between readings of
     `training_instruments(every=k)`) are left out of the lines, and the dashboard's
-    table shows each instrument's last finite reading. NaN in a scalar series is
-    left out of its line too.
+    table shows each instrument's last finite reading; the histograms are those of
+    the last step that read them. NaN in a scalar series is left out of its line too.
 """
 
 from __future__ import annotations
@@ -52,15 +53,29 @@ from oryx_gradlog.storage._store import _require, open_run, store_name
 
 _STATS = ("norm", "mean", "variance", "min", "max", "nonfinite")
 INSTRUMENTS = "instruments."
-# Cockpit's dashboard groups: (title, instruments, log scale, reference line).
-_PANELS = (
-    ("Step size", (("alpha", False, 0.0), ("update_size", True, None),
-                   ("distance", True, None))),
-    ("Gradients", (("loss", False, None), ("grad_norm", True, None),
-                   ("norm_test", True, 1.0), ("inner_product_test", True, 1.0),
-                   ("orthogonality_test", True, 1.0), ("mean_gsnr", True, None))),
-    ("Curvature", (("hessian_trace", False, None), ("hessian_max_eigenvalue", False, None))),
+PER_PARAMETER = "per_parameter."
+# Cockpit's dashboard: three columns (step size, gradients, curvature) of three
+# instruments each, then the hyperparameter and performance row, then the
+# instruments of Cockpit's second screen. Each panel: (title, instruments, log scale,
+# reference line); a histogram panel names its variable.
+_COLUMNS = (
+    ("Step size", (("Alpha", ("alpha",), False, 0.0),
+                   ("Distance and update size", ("distance", "update_size"), True, None),
+                   ("Gradient norm", ("grad_norm",), True, None))),
+    ("Gradients", (("Gradient tests", ("norm_test", "inner_product_test",
+                                       "orthogonality_test"), True, 1.0),
+                   ("Gradient elements", ("grad_hist_1d",), False, None),
+                   ("Gradient elements vs parameters", ("grad_hist_2d",), False, None))),
+    ("Curvature", (("Hessian max eigenvalue", ("hessian_max_eigenvalue",), True, None),
+                   ("Hessian trace", ("hessian_trace",), True, None),
+                   ("TIC", ("tic_diag", "tic_trace"), True, None))),
 )
+_BOTTOM = (("Time per step (s)", ("time",), True, None),
+           ("Performance: loss", ("loss",), True, None),
+           ("Mean GSNR", ("mean_gsnr",), True, None),
+           ("CABS batch size", ("cabs",), True, None),
+           ("Early stopping (stop above 0)", ("early_stopping",), False, 0.0))
+_HISTOGRAMS = ("grad_hist_1d", "grad_hist_2d")
 
 
 def summary_groups(names: Iterable[str]) -> list[str]:
@@ -292,39 +307,68 @@ def _band(ax, steps, values) -> None:
 def dashboard_page(dataset, run_dir, out_dir: str, plt) -> str | None:
   """Writes `instruments.png` and `dashboard.html` if the run logged instruments.
 
+  The figure is laid out as Cockpit's: step size, gradients and curvature in three
+  columns, the loss and step time below, then Cockpit's second screen (GSNR, CABS,
+  early stopping) and any other instrument. Per-parameter readings
+  (`instruments.per_parameter.NAME.*`) are thin lines beside their global reading.
+
   Returns:
     The path of `dashboard.html`, or `None` when the run has no `instruments.*`.
   """
-  logged = {name[len(INSTRUMENTS):]: np.asarray(dataset[name].values, np.float64)
-            for name in dataset.data_vars if name.startswith(INSTRUMENTS)}
-  if not logged:
+  names = [n[len(INSTRUMENTS):] for n in dataset.data_vars if n.startswith(INSTRUMENTS)]
+  if not names:
     return None
-  steps = dataset["step"].values
-  known = {name for _, panel in _PANELS for name, _, _ in panel}
-  panels = [(title, [p for p in panel if p[0] in logged]) for title, panel in _PANELS]
-  panels.append(("Other", [(n, False, None) for n in sorted(logged) if n not in known]))
-  panels = [(title, panel) for title, panel in panels if panel]
-  columns = max(len(panel) for _, panel in panels)
-  fig, axes = plt.subplots(len(panels), columns, squeeze=False,
-                           figsize=(3.6 * columns, 2.8 * len(panels)))
-  for row, (title, panel) in enumerate(panels):
-    for col in range(columns):
-      ax = axes[row, col]
-      if col >= len(panel):
+  steps = np.asarray(dataset["step"].values)
+  value = lambda name: np.asarray(dataset[INSTRUMENTS + name].values, np.float64)
+  scalars = {n: value(n).reshape(len(steps), -1).mean(axis=1) for n in names
+             if not n.startswith(PER_PARAMETER) and n.split(".")[0] not in _HISTOGRAMS}
+  if "time" in scalars:  # Cockpit's Time is the wall clock: draw its differences.
+    scalars["time"] = np.concatenate([[np.nan], np.diff(scalars["time"])])
+  per_parameter = {}
+  for n in names:
+    if n.startswith(PER_PARAMETER):
+      instrument, _, leaf = n[len(PER_PARAMETER):].partition(".")
+      per_parameter.setdefault(instrument, {})[leaf] = value(n).reshape(len(steps))
+  logged = set(scalars) | {n.split(".")[0] for n in names}
+  known = {i for _, panel in _COLUMNS for _, group, _, _ in panel for i in group}
+  known |= {i for _, group, _, _ in _BOTTOM for i in group}
+  other = [(n, (n,), False, None) for n in sorted(set(scalars) - known)]
+  rows = [[panel for _, column in _COLUMNS for panel in column[r:r + 1]] for r in range(3)]
+  rows += [list(_BOTTOM[:2]), list(_BOTTOM[2:])] + [other[k:k + 3] for k in range(0, len(other), 3)]
+  rows = [[p for p in row if any(i in logged for i in p[1])] for row in rows]
+  rows = [row for row in rows if row]
+  fig, axes = plt.subplots(len(rows), 3, squeeze=False, figsize=(12, 3 * len(rows)))
+  for r, row in enumerate(rows):
+    for c in range(3):
+      ax = axes[r, c]
+      if c >= len(row):
         ax.axis("off")
         continue
-      name, log, line = panel[col]
-      values = logged[name].reshape(len(steps), -1).mean(axis=1)
-      read = np.isfinite(values)  # Untracked steps (`every`) read NaN: join the rest.
-      ax.plot(np.asarray(steps)[read], values[read], marker="." if np.sum(read) < 20 else None)
+      title, group, log, line = row[c]
+      if group[0] in _HISTOGRAMS:
+        _histogram_panel(ax, dataset, group[0], steps)
+        ax.set_title(title)
+        continue
+      drawn = []
+      for name in (i for i in group if i in scalars):
+        values = scalars[name]
+        read = np.isfinite(values)  # Untracked steps read NaN: join the rest.
+        ax.plot(steps[read], values[read], marker="." if np.sum(read) < 20 else None,
+                label=name)
+        drawn.append(values[read])
+        for leaf, leaf_values in sorted(per_parameter.get(name, {}).items()):
+          ok = np.isfinite(leaf_values)
+          ax.plot(steps[ok], leaf_values[ok], linewidth=0.6, alpha=0.5)
+          drawn.append(leaf_values[ok])
       if line is not None:
         ax.axhline(line, color="grey", linestyle="--", linewidth=1)
-      if log and np.all(values[read] > 0):
+      if log and drawn and all(np.all(v > 0) for v in drawn):
         ax.set_yscale("log")
-      ax.set(title=f"{title}: {name}", xlabel="step")
+      if len(group) > 1:
+        ax.legend(fontsize="x-small")
+      ax.set(title=title, xlabel="step")
   image = _save(fig, out_dir, "instruments.png", plt)
-  last = {name: _last_reading(values.reshape(len(steps), -1).mean(axis=1))
-          for name, values in logged.items()}
+  last = {name: _last_reading(values) for name, values in scalars.items()}
   page = os.path.join(out_dir, "dashboard.html")
   with open(page, "w", encoding="utf-8") as f:
     f.write(
@@ -333,15 +377,36 @@ def dashboard_page(dataset, run_dir, out_dir: str, plt) -> str | None:
         "td,th{padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>"
         "</head><body>"
         f"<h1>Training instruments: {html.escape(os.fspath(run_dir))}</h1>"
-        f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}). Batch-size tests below 1 "
+        f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}), laid out as Cockpit's "
+        "dashboard (step size, gradients, curvature). Batch-size tests below 1 "
         "(dashed) say the batch is large enough; alpha 0 is a step to the minimum of the "
-        "local quadratic, -1 no progress, 1 an overshoot to the same loss. "
-        "<a href='index.html'>Gradient report</a></p>"
+        "local quadratic, -1 no progress, 1 an overshoot to the same loss; thin lines are "
+        "per-parameter readings. <a href='index.html'>Gradient report</a></p>"
         "<h2>Last readings</h2><table><tr><th>instrument</th><th>value</th></tr>" +
         "".join(f"<tr><td>{html.escape(n)}</td><td>{v:.4g}</td></tr>"
                 for n, v in sorted(last.items())) +
         f"</table><img src='{image}' width='100%'></body></html>")
   return page
+
+
+def _histogram_panel(ax, dataset, name, steps) -> None:
+  """The last read step's histogram (counts -1 on steps that read nothing)."""
+  counts = np.asarray(dataset[f"{INSTRUMENTS}{name}.counts"].values, np.float64)
+  read = [i for i in range(len(steps)) if np.all(counts[i] >= 0)]
+  if not read:
+    ax.axis("off")
+    return
+  last = counts[read[-1]]
+  if name == "grad_hist_1d":
+    edges = np.asarray(dataset[f"{INSTRUMENTS}{name}.edges"].values)[read[-1]]
+    ax.stairs(last, edges, fill=True)
+    ax.set(yscale="log" if np.any(last > 0) else "linear", xlabel="gradient element",
+           ylabel=f"count (step {steps[read[-1]]})")
+    return
+  x = np.asarray(dataset[f"{INSTRUMENTS}{name}.x_edges"].values)[read[-1]]
+  y = np.asarray(dataset[f"{INSTRUMENTS}{name}.y_edges"].values)[read[-1]]
+  ax.pcolormesh(x, y, np.log10(1 + last.T), shading="flat")
+  ax.set(xlabel="gradient element", ylabel=f"parameter (step {steps[read[-1]]})")
 
 
 def _last_reading(values: np.ndarray) -> float:

@@ -57,9 +57,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog.analyses import _ghost
-from oryx_gradlog.record import _layers
-from oryx_gradlog.record._layers import DENSE, Positions
+from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.record import _view
+from oryx_gradlog.record._layers import DENSE
+from oryx_gradlog.record._record_layers import DENSE as FOUND_DENSE
+from oryx_gradlog.record._view import LayerView
 
 _APPROXIMATIONS = ("expand", "reduce")
 
@@ -98,16 +100,25 @@ class LayerParams:
   b: jax.Array | None
 
 
-def _dense_views(api, records, names, tied, reduction):
-  _ghost.check_reduction(api, reduction)
-  tied = _ghost.check_tied(api, records, tied)
-  for name in _layers.select(api, records, names, (DENSE,)):
-    view = _layers.positions(api, name, records[name], tied=name in tied)
+def _selection(api, records, names, tied, reduction, found_kinds=None):
+  return _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
+                       method="auto", kinds=(DENSE,), found_kinds=found_kinds)
+
+
+def _dense_views(api, selection: _view.Selection, reduction):
+  """Hand-marked dense layers by name, then found dense uses by record name."""
+  for name, record in selection.hand.items():
+    view = _view.positions(api, name, record, tied=name in selection.tied)
     yield name, view, _ghost.loss_scale(reduction, view.batch_size)
+  for use in selection.uses:
+    if use.spec.kind == FOUND_DENSE:
+      view = use.view(force=True)
+      yield use.name, view, _ghost.loss_scale(reduction, view.batch_size)
 
 
-def _unstack(view: Positions, x: jax.Array) -> jax.Array:
-  return x.reshape(view.stack_shape + x.shape[1:])
+def _unstack(view: LayerView, x: jax.Array) -> jax.Array:
+  lead = view.stack_shape + ((view.groups,) if view.groups > 1 else ())
+  return x.reshape(lead + x.shape[1:])
 
 
 def kfac_factors(
@@ -148,7 +159,8 @@ def kfac_factors(
         f"{api}(approximation={approximation!r}): approximation must be 'expand' or "
         "'reduce' (Eschenhagen et al. 2023); they agree for inputs without positions.")
   factors = {}
-  for name, view, scale in _dense_views(api, records, names, tied, reduction):
+  selection = _selection(api, records, names, tied, reduction)
+  for name, view, scale in _dense_views(api, selection, reduction):
     x, g = view.x, scale * view.g
     if view.bias_g is not None:
       x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
@@ -190,7 +202,10 @@ def _sum_of_squares(x, g, chunk_size):
 
 def _moments(api, records, reduction, names, tied, chunk_size, centred):
   results = {}
-  for name, view, scale in _dense_views(api, records, names, tied, reduction):
+  selection = _selection(api, records, names, tied, reduction)
+  for name, record in selection.hand.items():
+    view = _view.positions(api, name, record, tied=name in selection.tied)
+    scale = _ghost.loss_scale(reduction, view.batch_size)
     batch = view.batch_size
     w = scale * scale * _sum_of_squares(view.x, view.g, chunk_size)
     b = None if view.bias_g is None else scale * scale * jnp.sum(view.bias_g ** 2, axis=1)
@@ -201,7 +216,29 @@ def _moments(api, records, reduction, names, tied, chunk_size, centred):
         mean_b = (scale / batch) * jnp.sum(view.bias_g, axis=1)
         b = jnp.maximum(b / batch - mean_b * mean_b, 0.0)
     results[name] = LayerParams(_unstack(view, w), None if b is None else _unstack(view, b))
+  if selection.found:
+    batch = _ghost.one_batch_size(api, {p: u[0].batch_size for p, u in selection.found.items()})
+    scale = _ghost.loss_scale(reduction, batch)
+    means = selection.weighted(jnp.ones(batch)) if centred else {}
+    for path, uses in selection.found.items():
+      square = found_sum_of_squares(selection, path)
+      w = scale * scale * square
+      if centred:
+        mean = (scale / batch) * _ghost.as_float(means[path])
+        w = jnp.maximum(w / batch - mean * mean, 0.0)
+      results[path] = LayerParams(w, None)
   return results
+
+
+def found_sum_of_squares(selection: _view.Selection, path: str) -> jax.Array:
+  """`sum_i grad_i^2` (of the recorded loss) of one found parameter."""
+  uses = selection.found[path]
+  if len(uses) == 1 and uses[0].simple:
+    square = uses[0].dense_sum_of_squares()
+    if square is not None:  # Views of one leaf carry squares as they carry values.
+      return uses[0].to_params([square], lead=0)[path]
+  per_example = _ghost.as_float(selection.per_example(path))
+  return jnp.sum(per_example * per_example, axis=0)
 
 
 def sum_grad_squared(

@@ -18,17 +18,28 @@ patches of its input (`jax.lax.conv_general_dilated_patches`), one position per
 output pixel; feature groups are independent dense layers.
 
 Everything comes from the layer records (`x`, `g`) of the batch loss's backward pass:
-`gl.reap(jax.grad(loss))(...)` with layers marked by `gl.dense`, `gl.conv2d`,
-`gl.embed`, `gl.layer_norm` (whose scale's per-example gradient is
-`sum_t xhat_it * g_it`, `xhat` the normalised input). Loss convention: the batch
+`gl.reap(jax.grad(gl.record_layers(loss)))(...)` for any model (the uses of each
+parameter found in its jaxpr), or `gl.reap(jax.grad(loss))(...)` with layers marked by
+`gl.dense`, `gl.conv2d`, `gl.embed`, `gl.layer_norm` (whose scale's per-example
+gradient is `sum_t xhat_it * g_it`, `xhat` the normalised input). A found parameter
+used once, through views (reshape, transpose, cast, the slices of a `scan` over
+stacked layers), by a dense, convolution or embedding use takes the Gram form or
+materialises as the cost model says; other uses (element-wise scales and biases,
+generic operations) and parameters with several uses or made by functions of
+parameters have their per-example gradients formed and summed in the parameter's
+space, so tied weights get their cross terms exactly. Loss convention: the batch
 loss is `sum_i l_i` (`reduction="sum"`) or `mean_i l_i` (`reduction="mean"`, the
 default); a per-example gradient is always the gradient of `l_i` itself, so for a
 mean the recorded cotangents are multiplied by the batch size.
 
 Sharp edges:
-  * Only marked layers count: `total` is the norm over the parameters of the layer
-    records analysed, not over parameters used elsewhere (a layer norm applied
-    without `gl.layer_norm`). Mark every layer whose parameters you want in the total.
+  * Only recorded layers count: `total` is the norm over the parameters of the layer
+    records analysed. `gl.record_layers` records every use of every parameter; with
+    hand-marked layers, a parameter used elsewhere (a layer norm applied without
+    `gl.layer_norm`) is not in the total.
+  * Results are keyed by record name for hand-marked layers (weight and bias
+    together, with their call axes) and by parameter path for found records (every
+    use of the parameter together, `(batch,)`).
   * A layer norm's per-example gradient is always formed (it is `(d,)`), whatever
     `method` says; its method is reported as "materialized".
   * Calls of one name are taken to have their own weights (scan over stacked
@@ -55,8 +66,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.record import _layers
-from oryx_gradlog.record._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM, Positions
+from oryx_gradlog.record import _view
+from oryx_gradlog.record._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM
+from oryx_gradlog.record._view import FoundUse, LayerView
 
 GRAM, MATERIALIZED = "gram", "materialized"
 _METHODS = ("auto", GRAM, MATERIALIZED)
@@ -105,24 +117,58 @@ def loss_scale(reduction: str, batch_size: int) -> float:
   return float(batch_size) if reduction == "mean" else 1.0
 
 
-def choose_method(view: Positions, method: str) -> str:
+def costs(kind: str, batch: int, positions: int, d_in: int, d_out: int,
+          vocabulary: int = 0) -> dict[str, tuple[int, int]]:
+  """Per method, `(multiply-adds, floats held)` of a layer's per-example squared norms.
+
+  Gram: `B T^2 (d_in + d_out)` multiply-adds and two `(B, T, T)` Gram matrices;
+  materialised: `B T d_in d_out` and the `(B, d_in, d_out)` per-example gradients
+  (an embedding: the scatter of `B T d` rows into `B` tables of `V d`). With `T = 1`
+  the Gram form is `|x_i|^2 |g_i|^2`.
+  """
+  b, t = batch, positions
+  if kind == EMBED:
+    gram = (b * t * t * (d_out + 1), b * t * t)
+    materialized = (b * (t + vocabulary) * d_out, b * vocabulary * d_out)
+  else:
+    gram = (b * t * t * (d_in + d_out), 2 * b * t * t)
+    materialized = (b * t * d_in * d_out, b * d_in * d_out)
+  return {GRAM: gram, MATERIALIZED: materialized}
+
+
+def cheaper(kind: str, batch: int, positions: int, d_in: int, d_out: int,
+            vocabulary: int = 0) -> str:
+  """The method `"auto"` chooses: materialised only where it takes fewer
+  multiply-adds *and* holds no more than the Gram form or the layer's activations."""
+  cost = costs(kind, batch, positions, d_in, d_out, vocabulary)
+  activations = batch * positions * (d_out if kind == EMBED else d_in + d_out)
+  (gram_macs, gram_floats), (mat_macs, mat_floats) = cost[GRAM], cost[MATERIALIZED]
+  if mat_macs < gram_macs and mat_floats <= max(gram_floats, activations):
+    return MATERIALIZED
+  return GRAM
+
+
+def choose_method(view: LayerView, method: str) -> str:
   """Gram form or materialised per-example gradients, whichever costs less."""
   if view.kind == LAYER_NORM:  # Its per-example gradient is one (d,) vector.
     return MATERIALIZED
   if method != "auto":
     return method
-  t, d_out = view.g.shape[2], view.g.shape[3]
-  if view.kind == EMBED:  # Gram T^2 (d + 1) against a (vocabulary, d) table.
-    return GRAM if t * t * (d_out + 1) <= view.vocabulary * d_out else MATERIALIZED
-  d_in = view.x.shape[3]
-  return GRAM if t * (d_in + d_out) <= d_in * d_out else MATERIALIZED
+  b, t, d_out = view.g.shape[1:]
+  d_in = 1 if view.kind == EMBED else view.x.shape[3]
+  return cheaper(view.kind, b, t, d_in, d_out, view.vocabulary)
+
+
+def as_float(x: jax.Array) -> jax.Array:
+  """`x` in at least float32."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def dot(spec, a, b):
   return jnp.einsum(spec, a, b, precision=HIGHEST)
 
 
-def weight_squared_norms(view: Positions, method: str) -> jax.Array:
+def weight_squared_norms(view: LayerView, method: str) -> jax.Array:
   """`(S, B)` squared norms of `sum_t x_t^T g_t` (unscaled), for the weight."""
   x, g = view.x, view.g
   if view.kind == LAYER_NORM:  # Element-wise scale: sum_t xhat_t * g_t.
@@ -148,31 +194,89 @@ def weight_squared_norms(view: Positions, method: str) -> jax.Array:
 def squared_norms(
     api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
     tied: Collection[str], method: str, kinds: Sequence[str] = (DENSE, CONV2D, EMBED),
-) -> tuple[dict[str, jax.Array], dict[str, str], dict[str, Positions]]:
-  """Per layer, `(*calls, B)` squared per-example norms (of `l_i`), methods and views."""
-  views, _ = layer_views(api, records, reduction=reduction, names=names, tied=tied,
-                         method=method, kinds=kinds)
-  methods = {name: choose_method(view, method) for name, view in views.items()}
-  squares = {name: view_squared_norms(view, methods[name], reduction)
-             for name, view in views.items()}
-  return squares, methods, views
+) -> tuple[dict[str, jax.Array], dict[str, str], _view.Selection, dict[str, int]]:
+  """Per-example squared norms (of `l_i`'s gradient) of the selected layers.
+
+  Returns `(squares, methods, selection, batch_sizes)`: per hand-marked record name
+  `(*calls, B)` squares, per found parameter path `(B,)`; the method of each; the
+  records read; and the batch size of each.
+  """
+  selection = select(api, records, reduction=reduction, names=names, tied=tied,
+                     method=method, kinds=kinds)
+  squares, methods, sizes = {}, {}, {}
+  for name, record in selection.hand.items():
+    view = _view.positions(api, name, record, tied=name in selection.tied)
+    methods[name] = choose_method(view, method)
+    squares[name] = view_squared_norms(view, methods[name], reduction)
+    sizes[name] = view.batch_size
+  for path, uses in selection.found.items():
+    squares[path], methods[path] = found_squared_norms(path, uses, method, reduction)
+    sizes[path] = uses[0].batch_size
+  return squares, methods, selection, sizes
+
+
+def one_batch_size(api: str, sizes: dict[str, int]) -> int:
+  """The one batch size of the layers analysed, else an error listing them."""
+  if len(set(sizes.values())) != 1:
+    raise ValueError(
+        f"{api}: the layer records have batch sizes {sorted(set(sizes.values()))}, by "
+        f"name {sizes}; the analysis needs every layer of one batch. Reap one backward "
+        "pass of one batch loss.")
+  return next(iter(sizes.values()))
+
+
+def select(api: str, records: dict[str, Any], *, reduction: str,
+           names: Sequence[str] | None, tied: Collection[str], method: str,
+           kinds: Sequence[str], found_kinds: Sequence[str] | None = None,
+           ) -> _view.Selection:
+  """Checks the arguments of an analysis; returns the records it reads."""
+  check_reduction(api, reduction)
+  if method not in _METHODS:
+    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
+  return _view.collect(api, records, names, kinds, tied, found_kinds)
 
 
 def layer_views(
     api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
     tied: Collection[str], method: str, kinds: Sequence[str],
-) -> tuple[dict[str, Positions], set[str]]:
-  """Checks the arguments; returns the selected layers' views and the tied names."""
-  check_reduction(api, reduction)
-  if method not in _METHODS:
-    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
-  tied = check_tied(api, records, tied)
-  views = {name: _layers.positions(api, name, records[name], tied=name in tied)
-           for name in _layers.select(api, records, names, kinds)}
-  return views, tied
+) -> tuple[dict[str, LayerView], set[str]]:
+  """The hand-marked layers' views and the tied names (for analyses of those only)."""
+  selection = select(api, records, reduction=reduction, names=names, tied=tied,
+                     method=method, kinds=kinds)
+  if selection.found:
+    raise ValueError(
+        f"{api}: takes hand-marked layer records only (gl.dense, gl.conv2d, gl.embed, "
+        f"gl.layer_norm) so far; the records of parameters {sorted(selection.found)} were "
+        "found by gl.record_layers. Pass names=[...] to leave them out.")
+  views = {name: _view.positions(api, name, record, tied=name in selection.tied)
+           for name, record in selection.hand.items()}
+  return views, selection.tied
 
 
-def view_squared_norms(view: Positions, method: str, reduction: str) -> jax.Array:
+def found_squared_norms(path: str, uses: list[FoundUse], method: str,
+                        reduction: str) -> tuple[jax.Array, str]:
+  """`(B,)` per-example squared norms of parameter `path`'s gradient, and the method.
+
+  One use of a view of the parameter that is dense, a convolution or an embedding
+  takes the Gram form or materialises, as the cost model says; any other use, and a
+  parameter with several uses (tied weights: cross terms), materialises the uses'
+  per-example gradients, maps them to the parameter and sums them.
+  """
+  batch = uses[0].batch_size
+  scale = loss_scale(reduction, batch)
+  if len(uses) == 1 and uses[0].simple:
+    view = uses[0].view()
+    if view is not None:
+      chosen = choose_method(view, method)
+      square = view_squared_norms(view, chosen, reduction)
+      return jnp.sum(square.reshape(-1, batch), axis=0), chosen
+  total = _view.Selection({}, {path: uses}, set()).per_example(path)
+  total = as_float(total)
+  square = jnp.sum(total.reshape(batch, -1) ** 2, axis=1)
+  return (scale * scale) * square, MATERIALIZED
+
+
+def view_squared_norms(view: LayerView, method: str, reduction: str) -> jax.Array:
   """`(*calls, B)` squared per-example norms of `l_i`'s gradient for one layer view."""
   square = weight_squared_norms(view, method)
   if view.groups > 1:
@@ -202,18 +306,20 @@ def per_example_norms(
 ) -> PerExampleNorms:
   """Returns the norms of per-example gradients from one backward pass's records.
 
-  Reap the records of the ordinary gradient of the batch loss, with layers marked
-  by `gl.dense`, `gl.conv2d`, `gl.embed`, `gl.layer_norm` (or
-  `gl.dense_dot_general`); per-example gradients are never formed unless
-  materialising is cheaper for a layer (then one layer's at a time). Works under `jit`, `vmap` and with sharded batches.
+  Reap the records of the ordinary gradient of the batch loss, recorded by
+  `gl.record_layers` (any model) or with layers marked by `gl.dense`, `gl.conv2d`,
+  `gl.embed`, `gl.layer_norm` (or `gl.dense_dot_general`); per-example gradients
+  are not formed where a Gram form is cheaper (see the module docstring). Works
+  under `jit`, `vmap` and with sharded batches.
 
   Args:
     records: the dict that `gl.reap` / `gl.call_and_reap` returns.
     reduction: `"mean"` if the loss is `mean_i l_i`, `"sum"` if `sum_i l_i`; the
       norms are those of the gradients of `l_i` either way.
-    names: the layer records to use (default: every layer record; other records,
-      e.g. taps, are left out). A named record that is not a layer is an error.
-    tied: names whose calls share one weight (see "Sharp edges").
+    names: the hand-marked layer records or found parameter paths to use (default:
+      every layer record; other records, e.g. taps, are left out). A named record
+      that is not a layer is an error.
+    tied: hand-marked names whose calls share one weight (see "Sharp edges").
     method: `"auto"` (per layer, the Gram form when `T (d_in + d_out) <= d_in
       d_out`, else materialised), `"gram"` or `"materialized"`.
 
@@ -233,7 +339,7 @@ def per_example_norms(
     >>> bool(jnp.allclose(norms.total, jnp.linalg.norm(flat(per_example), axis=1)))
     True
   """
-  squares, methods, _ = squared_norms(
+  squares, methods, _, _ = squared_norms(
       "per_example_norms", records, reduction=reduction, names=names, tied=tied,
       method=method, kinds=NORM_KINDS)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())

@@ -29,6 +29,9 @@ the recorded function. "First in backward order" is the non-finite cotangent at 
 latest position of this forward sequence.
 
 Sharp edges:
+  * Records that `gl.record_layers` found know their forward order (`order` may be
+    omitted); their names are parameter paths, so the site is the use of a
+    parameter nearest the loss whose output cotangent is non-finite.
   * Only cotangents are checked, not primals: a forward-pass NaN (a non-finite loss)
     shows up at the site nearest the loss. Check the loss too.
   * A record's call axes are inferred for layer records (`gl.dense`, ...); for other
@@ -53,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oryx_gradlog.record import _layers
+from oryx_gradlog.record import _view
 from oryx_gradlog.record._record import VJPRecord
 
 COTANGENT, INPUTS, OUTPUT = "cotangent", "inputs", "output"
@@ -159,7 +162,27 @@ def _float_leaves(tree):
           if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
 
 
+def found_order(records) -> list[str | tuple[str, ...]] | None:
+  """The forward order of records that `gl.record_layers` found (all of them), with
+  the uses in one scan body interleaved; `None` if some record was not found."""
+  if not records or not all(_view.is_found_record(r) for r in records.values()):
+    return None
+  specs = sorted(((r.primals[0].spec, n) for n, r in records.items()),
+                 key=lambda item: item[0].position)
+  order = []
+  for spec, name in specs:
+    last = order[-1] if order else None
+    if (spec.scopes and isinstance(last, tuple) and last[0] == spec.scopes
+        and last[1] == spec.calls):
+      last[2].append(name)
+    else:
+      order.append((spec.scopes, spec.calls, [name]) if spec.scopes else name)
+  return [entry if isinstance(entry, str) else tuple(entry[2]) for entry in order]
+
+
 def _entries(records, order):
+  if order is None:
+    order = found_order(records)
   if order is None:
     if len(records) != 1:
       raise ValueError(
@@ -191,8 +214,8 @@ def _entries(records, order):
 def _call_axes(name, record, call_axes):
   if isinstance(call_axes, Mapping) and name in call_axes:
     return int(call_axes[name])
-  if _layers.is_layer_record(record):
-    return _layers.call_axes(record)
+  if _view.is_layer_record(record) or _view.is_found_record(record):
+    return _view.call_axes(record)
   return 0 if isinstance(call_axes, Mapping) or call_axes is None else int(call_axes)
 
 
@@ -208,7 +231,8 @@ def find_nonfinite(
   Args:
     records: the dict that `gl.reap` / `gl.call_and_reap` returns.
     order: every record name once, in forward order; a tuple of names for calls
-      that interleave (see the module docstring). May be omitted for one record.
+      that interleave (see the module docstring). May be omitted for one record,
+      and for records that `gl.record_layers` found (they know their order).
     call_axes: leading call axes of records that are not layer records (an int for
       all, or `{name: int}`); layer records know theirs.
     batch_size: the size of the example axis (default: from the first layer
@@ -285,7 +309,7 @@ def _calls_shape(name, record, n):
 
 def _infer_batch_size(entries, records, axes):
   names = [n for e in entries for n in e]
-  layers = [n for n in names if _layers.is_layer_record(records[n])]
+  layers = [n for n in names if _view.is_layer_record(records[n])]
   for name in layers + names:
     for leaf in _float_leaves(_parts(records[name])[-1][1]) + _float_leaves(records[name]):
       if jnp.ndim(leaf) > axes[name]:

@@ -27,16 +27,26 @@ With `n_i = |grad_i|^2`, `d_i = <grad_i, gbar>`:
 A test below its threshold `theta` (Cockpit draws 1) says the batch is large enough
 for the step; above it, the batch gradient is too noisy.
 
-* gradient signal-to-noise (Liu et al. 2020, GSNR) per parameter:
-  `mean_i(grad_i)^2 / var_i(grad_i)`, from `gradient_variance` and the batch gradient;
-  its mean over each layer's parameters, and the mean of those over layers.
+* gradient signal-to-noise (Liu et al. 2020, GSNR) per parameter, as Cockpit's
+  MeanGSNR defines it: `gbar^2 / (mean_i(grad_i^2) - gbar^2 + eps)`, eps 1e-5, and
+  its mean over all the parameters of the layers analysed (every layer kind); the
+  mean per layer, and our earlier reading, the mean of those over the layers
+  (`GradientSNR.mean_over_layers`, with `epsilon=0`), are kept beside it.
+
+Per-parameter second moments `sum_i grad_i^2` (BackPACK's SumGradSquared, which
+Cockpit's GSNR, TIC, CABS and early-stopping instruments build on) come from the
+same records: for a dense layer `(x^2)^T (g^2)` without positions (one matmul);
+otherwise each example's gradient of the layer is formed (`layer_moments`).
 
 Sharp edges:
-  * Only the marked layers count (as for `per_example_norms`); the GSNR is for dense
-    layers only (as `gradient_variance`).
-  * `var_i` is the population variance (divided by `B`); a parameter whose gradient
-    is the same for every example has an infinite GSNR, and one whose gradient is
-    zero for every example has GSNR 0.
+  * Only the marked layers count (as for `per_example_norms`); Cockpit averages the
+    GSNR over every parameter of the model.
+  * The GSNR's variance is the population variance (divided by `B`), as Cockpit's;
+    with `epsilon=0`, a parameter whose gradient is the same for every example has
+    an infinite GSNR, and one whose gradient is zero for every example has GSNR 0.
+  * The second moments of a layer with positions (tokens, pixels), a conv2d, an
+    embedding or a layer norm need each example's gradient of that layer: `B`
+    times its parameters in memory while it is summed.
   * A batch of one has no tests: it is an error. `|gbar| = 0` gives inf or NaN.
   * Call them on the records as the reap returns them, inside any vmap or scan.
 """
@@ -51,9 +61,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _clip, _curvature, _ghost
-from oryx_gradlog.analyses._curvature import LayerParams
-from oryx_gradlog.record import _layers
+from oryx_gradlog.analyses.per_example import _clip, _ghost
+from oryx_gradlog.analyses.curvature import _curvature
+from oryx_gradlog.analyses.curvature._curvature import LayerParams
+from oryx_gradlog.record import _view
 from oryx_gradlog.record._layers import CONV2D, DENSE
 
 
@@ -93,20 +104,45 @@ class GradientSNR:
   Attributes:
     layers: per record name, the GSNR of each parameter (a `LayerParams`).
     layer_means: per record name, the mean GSNR over that layer's parameters.
-    mean: the mean of `layer_means` over the layers.
+    mean: the mean over all the parameters of the layers (Cockpit's MeanGSNR).
   """
 
   layers: dict[str, LayerParams]
   layer_means: dict[str, jax.Array]
   mean: jax.Array
 
+  @property
+  def mean_over_layers(self) -> jax.Array:
+    """The mean of `layer_means` over the layers (our earlier reading)."""
+    return jnp.mean(jnp.stack(list(self.layer_means.values())))
 
-def _one_batch_size(api, views) -> int:
-  batch_sizes = {view.batch_size for view in views.values()}
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["mean", "sum_squares", "per_example"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class LayerMoments:
+  """First and second moments of one layer's per-example gradients (internal).
+
+  Attributes:
+    mean: `gbar = (1/B) sum_i grad_i`, shaped like the layer's parameters.
+    sum_squares: `sum_i grad_i^2` (SumGradSquared of the per-example losses).
+    per_example: `(B, ...)` the per-example gradients, where they were formed.
+  """
+
+  mean: LayerParams
+  sum_squares: LayerParams
+  per_example: LayerParams | None
+
+
+def _one_batch_size(api, sizes: dict[str, int]) -> int:
+  batch_sizes = set(sizes.values())
   if len(batch_sizes) != 1 or min(batch_sizes) < 2:
     raise ValueError(
         f"{api}: the layer records have batch sizes "
-        f"{ {name: view.batch_size for name, view in views.items()} }; the tests need one "
+        f"{sizes}; the tests need one "
         "batch size of at least 2 for all the layers analysed. Reap one backward pass of "
         "one batch loss.")
   return batch_sizes.pop()
@@ -123,9 +159,13 @@ def per_example_moments(
     api: str, records: dict[str, Any], *, reduction: str, names, tied, method,
 ) -> tuple[jax.Array, jax.Array, int]:
   """`(n, d, B)`: per example `|grad_i|^2` and `<grad_i, gbar>` over the layers."""
-  views, tied = _ghost.layer_views(api, records, reduction=reduction, names=names,
-                                   tied=tied, method=method, kinds=_ghost.NORM_KINDS)
-  batch_size = _one_batch_size(api, views)
+  selection = _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method=method, kinds=_ghost.NORM_KINDS)
+  views = {name: _view.positions(api, name, record, tied=name in selection.tied)
+           for name, record in selection.hand.items()}
+  sizes = {name: view.batch_size for name, view in views.items()}
+  sizes.update({path: uses[0].batch_size for path, uses in selection.found.items()})
+  batch_size = _one_batch_size(api, sizes)
   scale = _ghost.loss_scale(reduction, batch_size)
   squared, products = 0.0, 0.0
   for name, view in views.items():
@@ -137,9 +177,25 @@ def per_example_moments(
     square = _ghost.view_squared_norms(view, _ghost.choose_method(view, method), reduction)
     squared = squared + jnp.sum(square.reshape(-1, batch_size), axis=0)
     gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch_size,
-                         tied=name in tied)
+                         tied=name in selection.tied)
     products = products + scale * _clip.per_example_inner_products(
-        records[name], gbar, name in tied)
+        records[name], gbar, name in selection.tied)
+  gram_paths = set()
+  for path, uses in selection.found.items():
+    view = uses[0].view() if len(uses) == 1 and uses[0].simple else None
+    if view is not None and _products_method(view, method) == _ghost.GRAM:
+      pairs = (scale * scale) * _gram(view)
+      squared = squared + jnp.diagonal(pairs)
+      products = products + jnp.mean(pairs, axis=1)
+      gram_paths.add(path)
+    else:
+      squared = squared + _ghost.found_squared_norms(path, uses, method, reduction)[0]
+  others = [u for u in selection.uses if not set(u.spec.paths) <= gram_paths]
+  if others:  # <grad_i, gbar> = sum over uses of <g_i, J_i gbar>, by jvps.
+    gbar = {path: (scale / batch_size) * grad
+            for path, grad in selection.weighted(jnp.ones(batch_size)).items()}
+    for use in others:
+      products = products + scale * use.products(use.from_params(gbar))
   return squared, products, batch_size
 
 
@@ -227,50 +283,101 @@ def _ratio(signal, noise):
   return jnp.where((signal == 0) & (noise == 0), 0.0, signal / noise)
 
 
+def layer_moments(
+    api: str, records: dict[str, Any], *, reduction: str, names, tied,
+    per_example: bool = False,
+) -> tuple[dict[str, LayerMoments], int]:
+  """Per layer, `gbar` and `sum_i grad_i^2` of the per-example losses' gradients.
+
+  Dense layers without positions square `x` and `g` (one matmul); the others form
+  each example's gradient (`_clip.per_example_grads`). `per_example=True` forms
+  them for every layer and keeps them (for the histograms).
+  """
+  selection = _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method="auto", kinds=_ghost.NORM_KINDS)
+  tied = selection.tied
+  views = {name: _view.positions(api, name, record, tied=name in tied)
+           for name, record in selection.hand.items()}
+  sizes = {name: view.batch_size for name, view in views.items()}
+  sizes.update({path: uses[0].batch_size for path, uses in selection.found.items()})
+  batch = _one_batch_size(api, sizes)
+  scale = _ghost.loss_scale(reduction, batch)
+  cheap = [n for n, v in views.items()
+           if v.kind == DENSE and v.x.shape[2] == 1 and not per_example]
+  squares = (_curvature.sum_grad_squared(records, reduction=reduction, names=cheap,
+                                         tied=[n for n in cheap if n in tied])
+             if cheap else {})
+  moments = {}
+  for name in views:
+    if name in squares:
+      mean = mean_gradient(records[name], reduction=reduction, batch_size=batch,
+                           tied=name in tied)
+      moments[name] = LayerMoments(mean, squares[name], None)
+      continue
+    grads = jax.tree.map(lambda v: scale * v,
+                         _clip.per_example_grads(records[name], name in tied))
+    moments[name] = LayerMoments(
+        jax.tree.map(lambda v: jnp.mean(v, axis=0), grads),
+        jax.tree.map(lambda v: jnp.sum(v * v, axis=0), grads),
+        grads if per_example else None)
+  if selection.found:  # Found parameters: keyed by path, one leaf each.
+    means = selection.weighted(jnp.ones(batch))
+    for path in selection.found:
+      if per_example:
+        grads = scale * _ghost.as_float(selection.per_example(path))
+        moments[path] = LayerMoments(LayerParams(jnp.mean(grads, axis=0), None),
+                                     LayerParams(jnp.sum(grads * grads, axis=0), None),
+                                     LayerParams(grads, None))
+      else:
+        square = _curvature.found_sum_of_squares(selection, path)
+        moments[path] = LayerMoments(
+            LayerParams((scale / batch) * _ghost.as_float(means[path]), None),
+            LayerParams(scale * scale * square, None), None)
+  return moments, batch
+
+
 def gradient_snr(
     records: dict[str, Any],
     *,
     reduction: str = "mean",
     names: Sequence[str] | None = None,
     tied: Collection[str] = (),
-    chunk_size: int | None = None,
+    epsilon: float = 1e-5,
 ) -> GradientSNR:
-  """Returns the gradient signal-to-noise ratio of each dense-layer parameter.
+  """Returns the gradient signal-to-noise ratio of each layer parameter.
 
-  `mean_i(grad_i)^2 / var_i(grad_i)` per parameter (Liu et al. 2020), with the
-  variance of `gradient_variance` and the mean gradient from the same records.
+  `gbar^2 / (mean_i(grad_i^2) - gbar^2 + epsilon)` per parameter (Liu et al. 2020;
+  Cockpit's MeanGSNR with its `epsilon`), `grad_i` the gradient of example i's
+  loss, from the records of one backward pass (see the module docstring).
 
   Args:
     records: the dict that `gl.reap` / `gl.call_and_reap` returns.
     reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
-    names: the dense-layer records to use (default: all of them).
+    names: the layer records to use (default: every dense, conv2d, embedding and
+      layer-norm record).
     tied: names whose calls share one weight.
-    chunk_size: as for `sum_grad_squared`.
+    epsilon: added to the variance (Cockpit's 1e-5). With 0, a parameter whose
+      gradient is zero for every example reads 0.
 
   Returns:
-    A `GradientSNR`.
+    A `GradientSNR`; `.mean` is Cockpit's mean over all the parameters.
 
   Example:
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
     >>> loss = lambda w, x: jnp.mean(gl.dense(x, w, name="fc"))
     >>> x = jnp.array([[1.0], [3.0]])  # grad_i = x_i: mean 2, variance 1
-    >>> gl.gradient_snr(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x)).mean
+    >>> gl.gradient_snr(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x), epsilon=0.0).mean
     Array(4., dtype=float32)
   """
-  api = "gradient_snr"
-  variances = _curvature.gradient_variance(
-      records, reduction=reduction, names=names, tied=tied, chunk_size=chunk_size)
-  tied = _ghost.check_tied(api, records, tied)
-  layers, layer_means = {}, {}
-  for name, variance in variances.items():
-    batch = records[name].out_cotangent.shape[_layers.call_axes(records[name])]
-    gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch,
-                         tied=name in tied)
-    snr = jax.tree.map(lambda m, v: _ratio(m * m, v), gbar, variance)
+  moments, batch = layer_moments("gradient_snr", records, reduction=reduction,
+                                 names=names, tied=tied)
+  layers, layer_means, total, count = {}, {}, 0.0, 0
+  for name, moment in moments.items():
+    snr = jax.tree.map(lambda m, s: _ratio(m * m, s / batch - m * m + epsilon),
+                       moment.mean, moment.sum_squares)
     leaves = jax.tree.leaves(snr)
     layers[name] = snr
-    layer_means[name] = sum(jnp.sum(v) for v in leaves) / sum(v.size for v in leaves)
-  if not layer_means:
-    raise ValueError(f"{api}: no dense-layer records among {sorted(records)}; mark the "
-                     "layers with gl.dense or gl.dense_dot_general.")
-  return GradientSNR(layers, layer_means, jnp.mean(jnp.stack(list(layer_means.values()))))
+    layer_sum, layer_count = sum(jnp.sum(v) for v in leaves), sum(v.size for v in leaves)
+    layer_means[name] = layer_sum / layer_count
+    total, count = total + layer_sum, count + layer_count
+  return GradientSNR(layers, layer_means, total / count)

@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _ghost
-from oryx_gradlog.analyses._clip import ClippedGrads
+from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.analyses.per_example._clip import ClippedGrads
 
 
 def noise_stddev(api: str, *, l2_norm_clip: float, noise_multiplier: float, reduction: str,

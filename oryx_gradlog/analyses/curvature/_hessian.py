@@ -6,8 +6,16 @@ reverse), about the cost of two or three gradients and never the Hessian itself:
 * `hessian_max_eigenvalue`: power iteration (as Cockpit's HessMaxEV and PyHessian):
   `v <- H v / |H v|`, and the Rayleigh quotient `<v, H v>` of the last iterate;
 * `hessian_trace`: Hutchinson's estimator `tr(H) ~ (1/n) sum_k z_k^T H z_k` with
-  Rademacher vectors `z_k` (Cockpit's HessTrace), unbiased with variance
-  `(2/n) sum_{i != j} H_ij^2`.
+  Rademacher vectors `z_k`, unbiased with variance `(2/n) sum_{i != j} H_ij^2`;
+* `hessian_diagonal`: the same products element-wise, `diag(H) ~ (1/n) sum_k z_k *
+  H z_k`, whose sums per parameter are the per-parameter traces and whose total is
+  `hessian_trace`'s estimate.
+
+Cockpit's HessTrace (and TICDiag's curvature) is BackPACK's exact Hessian diagonal,
+which backpropagates a matrix square root of the loss's Hessian through every
+layer: not something one ordinary backward pass (or a few Hessian-vector products)
+gives. These estimates converge to it as `num_products` grows; on a Hessian that is
+diagonal they are exact with any `num_products`.
 
 Both take `num_products`, the number of Hessian-vector products, and run them in a
 `lax.fori_loop`, so they are jit-safe and their cost is `num_products` products.
@@ -116,8 +124,47 @@ def hessian_trace(fun: Callable[..., jax.Array], params: Any, *args: Any,
   hvp = hessian_vector_product(fun, params, *args)
 
   def step(i, total):
-    z = _random_tree(jax.random.fold_in(key, i), params,
-                     lambda k, shape, dtype: jax.random.rademacher(k, shape, dtype))
+    z = _rademacher(jax.random.fold_in(key, i), params)
     return total + _vdot(z, hvp(z))
 
   return lax.fori_loop(0, num_products, step, jnp.zeros((), jnp.float32)) / num_products
+
+
+def hessian_diagonal(fun: Callable[..., jax.Array], params: Any, *args: Any,
+                     key: jax.Array, num_products: int = 20) -> Any:
+  """Returns Hutchinson's estimate of the Hessian's diagonal, shaped like `params`.
+
+  `diag(H) ~ (1/n) sum_k z_k * (H z_k)` with the Rademacher vectors of
+  `hessian_trace` (same `key`, same vectors: the sum of this estimate is that
+  trace), unbiased with variance `(1/n) sum_{j != i} H_ij^2` per element.
+
+  Args:
+    fun: the scalar loss, `fun(params, *args)`.
+    params: the parameters (a pytree) at which the Hessian is taken.
+    *args: the other arguments of `fun` (the batch).
+    key: a PRNG key for the Rademacher vectors.
+    num_products: the number of Hessian-vector products (samples).
+
+  Returns:
+    A pytree like `params`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> fun = lambda w: 0.5 * (3 * w[0] ** 2 + w[1] ** 2)  # diagonal: exact
+    >>> gl.hessian_diagonal(fun, jnp.ones(2), key=jax.random.PRNGKey(0), num_products=2)
+    Array([3., 1.], dtype=float32)
+  """
+  _check("hessian_diagonal", num_products)
+  hvp = hessian_vector_product(fun, params, *args)
+
+  def step(i, total):
+    z = _rademacher(jax.random.fold_in(key, i), params)
+    return jax.tree.map(lambda t, a, b: t + a * b, total, z, hvp(z))
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  total = lax.fori_loop(0, num_products, step, zeros)
+  return jax.tree.map(lambda t: t / num_products, total)
+
+
+def _rademacher(key, params):
+  return _random_tree(key, params, lambda k, shape, dtype: jax.random.rademacher(k, shape, dtype))

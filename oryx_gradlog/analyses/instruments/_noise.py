@@ -39,8 +39,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _ghost
-from oryx_gradlog.record._layers import EMBED, HIGHEST, Positions
+from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.record import _view
+from oryx_gradlog.record._layers import EMBED, HIGHEST
+from oryx_gradlog.record._view import LayerView
 
 
 @functools.partial(
@@ -90,7 +92,7 @@ class NoiseScale:
   total: GradientNoise
 
 
-def _batch_gradient_sq(view: Positions, scale: float) -> jax.Array:
+def _batch_gradient_sq(view: LayerView, scale: float) -> jax.Array:
   """`(S,)` squared norms of the mean gradient `(1/B) sum_i grad_i`."""
   s, batch = view.g.shape[0], view.batch_size
   if view.kind == EMBED:
@@ -147,20 +149,23 @@ def gradient_noise_scale(
     (Array(3., dtype=float32), Array(2., dtype=float32))
   """
   api = "gradient_noise_scale"
-  squares, _, views = _ghost.squared_norms(
+  squares, _, selection, sizes = _ghost.squared_norms(
       api, records, reduction=reduction, names=names, tied=tied, method=method)
-  batch_sizes = {view.batch_size for view in views.values()}
-  if len(batch_sizes) != 1 or min(batch_sizes) < 2:
+  batch_size = _ghost.one_batch_size(api, sizes)
+  if batch_size < 2:
     raise ValueError(
-        f"{api}: the layer records have batch sizes {sorted(batch_sizes)}; the noise "
-        "estimators need one batch size of at least 2 for all the layers analysed.")
-  (batch_size,) = batch_sizes
+        f"{api}: the layer records have batch size {batch_size}; the noise estimators "
+        "need a batch of at least 2.")
+  scale = _ghost.loss_scale(reduction, batch_size)
+  found = selection.weighted(jnp.ones(batch_size))
   layers, total_mean_sq, total_batch_sq = {}, 0.0, 0.0
   for name, square in squares.items():
-    view = views[name]
     mean_sq = jnp.mean(square, axis=-1)
-    batch_sq = _batch_gradient_sq(view, _ghost.loss_scale(reduction, batch_size))
-    batch_sq = batch_sq.reshape(view.stack_shape)
+    if name in found:
+      batch_sq = (scale / batch_size) ** 2 * jnp.sum(_ghost.as_float(found[name]) ** 2)
+    else:
+      view = _view.positions(api, name, selection.hand[name], tied=name in selection.tied)
+      batch_sq = _batch_gradient_sq(view, scale).reshape(view.stack_shape)
     layers[name] = _estimate(mean_sq, batch_sq, batch_size)
     total_mean_sq = total_mean_sq + jnp.sum(mean_sq)
     total_batch_sq = total_batch_sq + jnp.sum(batch_sq)

@@ -18,13 +18,22 @@ Under `jit`, reap with `gl.reap` (not `call_and_reap`) and leave the reaped weig
 cotangents unused: XLA then drops the backward pass's own weight gradients, and the
 step costs about what a plain gradient does.
 
-`to_param_tree` places the per-layer results into the structure of the parameters.
+The same holds for every use `gl.record_layers` finds in a model's jaxpr: the
+operation's vjp at `c g`, mapped back to the parameters through the views and
+functions of parameters that made its operand, summed over the uses of each
+parameter. `clipped_grad(loss, l2_norm_clip=...)` does all of it for any model and
+is used like `jax.grad`; `ClippedGrads.params` is the clipped gradient shaped like
+the parameters. For hand-marked layers, `to_param_tree` places the per-layer
+results into the structure of the parameters.
 
 Sharp edges:
   * The privacy guarantee covers only the parameters whose gradients come out of
-    `clipped_grads`. Every trainable parameter must be in a marked layer; a
-    parameter used outside one (a plain matmul, a tied output projection) would
-    get no clipped gradient: `to_param_tree` raises for it.
+    `clipped_grads`. With hand-marked layers every trainable parameter must be in a
+    marked layer (`to_param_tree` raises for one that is not); `clipped_grad` and
+    `gl.record_layers` find every use, and a use with no per-example gradient (a
+    weight-decay term in the loss, batch norm) is an error that names it.
+  * A parameter that no use reads (it never meets the batch) gets a zero gradient
+    from `clipped_grad`; `gl.layer_coverage` lists such parameters.
   * Calls of one name under `scan` have their own weights: results have the call
     axes in front, like the stacked weights. Pass `tied=(name,)` for calls that
     share one weight; their gradients are summed over the calls.
@@ -40,22 +49,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses import _ghost
-from oryx_gradlog.record import _layers
-from oryx_gradlog.analyses._curvature import LayerParams
+from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.analyses.curvature._curvature import LayerParams
+from oryx_gradlog.record import _layers, _view
 from oryx_gradlog.record._layers import CONV2D, LayerInputs
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["layers", "norms"],
-    meta_fields=["l2_norm_clip", "reduction", "batch_size"],
+    meta_fields=["l2_norm_clip", "reduction", "batch_size", "param_tree"],
 )
 @dataclasses.dataclass(frozen=True)
 class ClippedGrads:
@@ -77,6 +86,19 @@ class ClippedGrads:
   l2_norm_clip: float
   reduction: str
   batch_size: int
+  param_tree: Any = None
+
+  @property
+  def params(self) -> Any:
+    """The clipped gradient shaped like the parameters, from records that
+    `gl.record_layers` found (zeros for a parameter no use reads)."""
+    if self.param_tree is None:
+      raise ValueError(
+          "ClippedGrads.params: these records were not found by gl.record_layers, so "
+          "the parameters' structure is unknown. Use gl.to_param_tree(clipped.layers, "
+          "params, where) for hand-marked layers.")
+    return self.param_tree.unflatten(
+        {path: layer.w for path, layer in self.layers.items()})
 
   @property
   def factors(self) -> jax.Array:
@@ -101,7 +123,7 @@ def _layer_function(layer: LayerInputs, lead: int):
 def _record_function(record):
   """`((w, b) -> the recorded layer's output, calls)`, vmapped over the call axes."""
   layer = record.primals[0]
-  calls = _layers.call_axes(record)
+  calls = _view.call_axes(record)
   # The example axis follows the call axes; for a conv2d applied per example under a
   # vmap, the vmapped axes come before the conv's own four.
   lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
@@ -138,6 +160,39 @@ def per_example_inner_products(record, direction: LayerParams, tied) -> jax.Arra
     tangent = tangent + b.reshape(b.shape[:-1] + (1,) * (g.ndim - b.ndim) + b.shape[-1:])
   products = g * tangent
   return jnp.sum(jnp.moveaxis(products, calls, 0).reshape(g.shape[calls], -1), axis=1)
+
+
+def per_example_grads(record, tied) -> LayerParams:
+  """Each example's gradient (of the recorded loss) of one layer record, `(B, ...)`.
+
+  Shaped like the layer's parameters (with the call axes, or without for a tied
+  layer) after the example axis: the vjp of the layer applied to one example's
+  input at that example's cotangent, vmapped over the examples (for a dense layer,
+  `x_i^T g_i`; XLA batches the matmuls or convolutions). It costs `B` times the
+  layer's parameters in memory: for the instruments that need every per-example
+  element (histograms, per-parameter second moments of non-dense layers).
+  """
+  layer, g = record.primals[0], record.out_cotangent
+  calls = _view.call_axes(record)
+  lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
+  apply = _layer_function(layer, lead)
+  for _ in range(calls):
+    apply = jax.vmap(apply)
+  # One example keeps a batch axis of one where the batch axis was.
+  split = lambda a: jnp.moveaxis(jnp.expand_dims(a, calls + 1), calls, 0)
+  bias = layer.b is None and layer.options.get("bias", False)  # dense_dot_general's.
+
+  def one(x, g):
+    _, vjp = jax.vjp(lambda w, b: apply(w, b, x), layer.w, layer.b)
+    w_grad, b_grad = vjp(g)
+    if bias:
+      b_grad = jnp.sum(g, axis=tuple(range(calls, g.ndim - 1)))
+    if tied:
+      w_grad = jnp.sum(w_grad, axis=tuple(range(calls)))
+      b_grad = None if b_grad is None else jnp.sum(b_grad, axis=tuple(range(calls)))
+    return LayerParams(w_grad, b_grad)
+
+  return jax.vmap(one)(split(layer.x), split(g))
 
 
 def _clipped_layer(record, factors, tied) -> LayerParams:
@@ -199,27 +254,109 @@ def clipped_grads(
     >>> clipped.layers["fc"].w, clipped.norms
     (Array([[1.5]], dtype=float32), Array([3. , 0.5], dtype=float32))
   """
-  api = "clipped_grads"
+  return _clipped("clipped_grads", records, l2_norm_clip=l2_norm_clip,
+                  reduction=reduction, names=names, tied=tied, method=method)
+
+
+def _clipped(api, records, *, l2_norm_clip, reduction, names, tied, method):
   if not l2_norm_clip > 0:
     raise ValueError(
         f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
-  squares, _, views = _ghost.squared_norms(
+  squares, _, selection, sizes = _ghost.squared_norms(
       api, records, reduction=reduction, names=names, tied=tied, method=method,
       kinds=_ghost.NORM_KINDS)
-  batch_sizes = {view.batch_size for view in views.values()}
-  if len(batch_sizes) != 1:
-    raise ValueError(
-        f"{api}: the layer records have batch sizes {sorted(batch_sizes)}, by name "
-        f"{ {name: view.batch_size for name, view in views.items()} }; clipping needs "
-        "every layer of one batch. Reap one backward pass of one batch loss.")
-  (batch_size,) = batch_sizes
+  batch_size = _ghost.one_batch_size(api, sizes)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
   norms = jnp.sqrt(total)
   factors = clip_factors(norms, l2_norm_clip)
-  tied = _ghost.check_tied(api, records, tied)
-  layers = {name: _clipped_layer(records[name], factors, name in tied)
-            for name in squares}
-  return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size)
+  layers = {name: _clipped_layer(record, factors, name in selection.tied)
+            for name, record in selection.hand.items()}
+  found = selection.weighted(factors)
+  layers.update({path: LayerParams(grad, None) for path, grad in found.items()})
+  return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size,
+                      param_tree(selection))
+
+
+_CLIP_TAG = "gradlog_clipped_grad"
+
+
+def clipped_grad(
+    fun: Callable[..., Any],
+    *,
+    l2_norm_clip: float,
+    reduction: str = "mean",
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    return_norms: bool = False,
+    method: str = "auto",
+) -> Callable[..., Any]:
+  """Returns a function that computes `fun`'s DP-SGD clipped gradient, like `jax.grad`.
+
+  Any model, as it is: the layers are found in `fun`'s jaxpr (`gl.record_layers`),
+  each example's gradient norm comes from one ordinary backward pass, and the
+  clipped gradient `sum_i min(1, C / |grad_i|) grad_i` (divided by the batch size
+  for `reduction="mean"`) from one vjp per layer. Padding examples that the loss
+  weights by 0 (as `gl.poisson_batch` makes them) have a zero gradient and add
+  nothing.
+
+  Args:
+    fun: the batch loss, e.g. `loss(params, x, y)`: the mean (or, with
+      `reduction="sum"`, the sum) of per-example losses over the leading axis of
+      the batch arguments.
+    l2_norm_clip: the clip norm `C`.
+    reduction: `"mean"` or `"sum"`, how `fun` combines the per-example losses.
+    argnums: the parameter argument(s), as for `jax.grad`.
+    batch_argnums: the arguments holding the batch (default: all others).
+    has_aux: whether `fun` returns `(loss, aux)`, as for `jax.grad`.
+    return_norms: also return the `(batch,)` per-example gradient norms.
+    method: how norms are computed (see `per_example_norms`).
+
+  Returns:
+    A function with `fun`'s signature returning the clipped gradient shaped like
+    the parameters; `(grads, norms)` with `return_norms`; and `(..., aux)` with
+    `has_aux`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda w, x: jnp.sum(x @ w)  # grad_i = x_i
+    >>> x = jnp.array([[3.0], [0.5]])  # norms 3 and 0.5: 3 is clipped to 1
+    >>> gl.clipped_grad(loss, l2_norm_clip=1.0, reduction="sum")(jnp.ones((1, 1)), x)
+    Array([[1.5]], dtype=float32)
+  """
+  from oryx_gradlog.record._reap import call_and_reap  # pylint: disable=g-import-not-at-top
+  from oryx_gradlog.record._record_layers import record_layers  # pylint: disable=g-import-not-at-top
+  api = "clipped_grad"
+  if not l2_norm_clip > 0:
+    raise ValueError(
+        f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
+  _ghost.check_reduction(api, reduction)
+  recorded = record_layers(fun, argnums=argnums, batch_argnums=batch_argnums,
+                           tag=_CLIP_TAG)
+  grad = call_and_reap(jax.grad(recorded, argnums=argnums, has_aux=has_aux), tag=_CLIP_TAG)
+
+  @functools.wraps(fun)
+  def clipped(*args, **kwargs):
+    out, records = grad(*args, **kwargs)
+    if not records:
+      raise ValueError(
+          f"{api}: no parameter of argnums={argnums} meets the batch in the function, "
+          "so there is nothing to clip. Check argnums and batch_argnums.")
+    result = _clipped(api, records, l2_norm_clip=l2_norm_clip, reduction=reduction,
+                      names=None, tied=(), method=method)
+    grads = result.params
+    if return_norms:
+      grads = (grads, result.norms)
+    return (grads, out[1]) if has_aux else grads
+
+  return clipped
+
+
+def param_tree(selection: _view.Selection):
+  """The parameters' tree of the found records (`None` without found records)."""
+  for uses in selection.found.values():
+    return uses[0].spec.tree
+  return None
 
 
 def _split_field(where: Any) -> tuple[str, str] | None:

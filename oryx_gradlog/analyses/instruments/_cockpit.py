@@ -1,0 +1,689 @@
+"""Training instruments in the step, as an optax-style `init`/`update` state.
+
+`training_instruments(preset)` gathers Cockpit's instruments (Schneider, Dangel and
+Hennig 2021), with Cockpit's definitions, into one pure transform that runs inside
+the jitted step and on the device: `update(state, records, ...)` returns the
+readings (scalars, per-parameter trees and histogram counts: hand them to
+`RunLog.append` under `"instruments"` and `report` draws them as
+`dashboard.html`, laid out as Cockpit's) and the new state. The state holds what
+needs memory: the initial parameters (for the distance), the last update, loss and
+slope moments (for alpha), the last curvature readings and a PRNG key.
+
+The instruments (Cockpit's quantity in brackets), from the records of the one
+backward pass of the step where the mathematics allows:
+
+* `loss` (Loss); `grad_norm` (GradNorm), `update_size` (UpdateSize), `distance`
+  (Distance): L2 norms, with the norm of each parameter under `per_parameter`;
+* `norm_test`, `inner_product_test`, `orthogonality_test` (NormTest, InnerTest,
+  OrthoTest): `gl.batch_size_tests` (Gram forms or jvps of the records);
+* `alpha` (Alpha): `gl.step_alpha`'s weighted parabola fit; the per-example
+  projections `<grad l_i, d>` are jvps of each recorded layer along its slice of
+  the update, the per-example losses are `update(..., losses=...)`;
+* `mean_gsnr` (MeanGSNR), `early_stopping` (EarlyStopping, Mahsereci et al. 2017:
+  `1 - B mean(gbar^2 / (var_i + 1e-5))`, sample variance; above 0, stop), `cabs`
+  (CABS, Balles et al. 2017: `lr sum(var_i) / loss`, population variance, the
+  batch size CABS suggests for SGD at learning rate `lr`): per-parameter second
+  moments `sum_i grad_i^2` of the records (see `gl.gradient_snr`);
+* `grad_hist_1d`, `grad_hist_2d` (GradHist1d, GradHist2d): `gl.gradient_histograms`;
+* `hessian_trace` (HessTrace, and per parameter), `hessian_max_eigenvalue`
+  (HessMaxEV), `tic_diag`, `tic_trace` (TICDiag, TICTrace, Thomas et al. 2019:
+  `sum(mean_i grad_i^2 / (diag(H) + 1e-7))` and `sum(mean_i grad_i^2) / (tr(H) +
+  1e-7)`): Hessian-vector products of `hessian_loss` (not one backward pass: see
+  `gl.hessian_diagonal`), every `curvature_every` steps (a `lax.cond`; between,
+  the last values are repeated).
+
+Cockpit's three configurations are the presets:
+
+* `"economy"`: alpha, distance, grad_hist_1d, grad_norm, inner_product_test,
+  loss, norm_test, orthogonality_test, update_size;
+* `"business"`: economy, tic_diag and hessian_trace;
+* `"full"`: business, hessian_max_eigenvalue and grad_hist_2d.
+
+`mean_gsnr`, `cabs`, `early_stopping` and `tic_trace` are in no preset (as in
+Cockpit); a tuple of instrument names picks any set. Cockpit's Time is host time:
+log `time.time()` beside the readings (`"instruments": {..., "time": ...}`) and the
+dashboard draws the time per step.
+
+Scheduling. `every=k` reads the per-step instruments on steps 0, k, 2k, ...
+(Cockpit's `linear(k)`); `every=` also takes a schedule, a function of the step
+that says whether to read (`gl.linear_schedule`, `gl.logarithmic_schedule`, as
+Cockpit's `track_schedule`). The steps between read NaN (histogram counts -1), and
+only the step before each read step keeps what alpha needs. From a Python training
+loop, give the schedule as a static argument, so that each phase compiles once and
+the steps between carry no `lax.cond`, and donate the parameters and the state, so
+that XLA updates them in place instead of copying the parameter-sized state through
+each step (measured on a 4 x 512 MLP, CPU: `every=10` costs about 1.06x a plain
+step with both donated and 1.15x without; see `benchmarks/RESULTS.md`):
+
+    instruments = gl.training_instruments("economy", every=10)
+    step = jax.jit(train_step, static_argnames="phase", donate_argnums=(0, 1))
+    for i, batch in enumerate(batches):   # train_step passes phase to update
+      params, state, readings = step(params, state, batch, phase=instruments.phase(i))
+
+Sharp edges:
+  * `alpha` at step t is that of the previous step's update (it needs the loss and
+    gradient after it): NaN at the first step. Cockpit logs the same value under
+    the step the update started from.
+  * The weighted `alpha` needs `losses` (per-example losses, Cockpit's
+    `individual_losses`) and each marked layer's slice of the update: the layer's
+    weight (and bias) must be a leaf of `params` itself, found by identity at trace
+    time (eagerly: by shape and value), or be named in `where` (as for
+    `to_param_tree`); the same holds for `tic_diag`. Parameters outside the marked layers add to the mean slope but not
+    to its variance.
+  * `grad_norm`, `update_size`, `distance` and the alpha means use every parameter
+    (`grads`, `updates`, `params`); the tests, GSNR, early stopping, CABS, TIC and
+    histograms use the marked layers of `records` only, where Cockpit uses every
+    parameter.
+  * The curvature instruments need `hessian_loss`, the batch loss as a function of
+    the parameters alone, and estimate from `num_products` Hessian-vector products
+    what Cockpit computes exactly with BackPACK (the Hessian's diagonal): noisy,
+    and `tic_diag` divides by the noisy diagonal. Measure them every
+    `curvature_every` steps.
+  * `cabs` and `early_stopping` assume plain SGD (as Cockpit, which refuses other
+    optimizers); `cabs` needs `learning_rate`.
+  * A static `phase` is trusted: pass `instruments.phase(i)` for the i-th call of
+    `update` (the state's step count is traced and cannot be checked against it).
+  * A schedule function given to `every` is called with a traced step when no
+    `phase` is passed: it must then work on JAX integers (the two provided do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from oryx_gradlog.analyses.per_example import _clip, _ghost
+from oryx_gradlog.analyses.curvature import _hessian
+from oryx_gradlog.analyses.instruments import _histograms, _instruments
+from oryx_gradlog.analyses.instruments import _step_quality
+from oryx_gradlog.analyses.curvature._curvature import LayerParams
+from oryx_gradlog.record import _view
+
+ECONOMY = ("alpha", "distance", "grad_hist_1d", "grad_norm", "inner_product_test", "loss",
+           "norm_test", "orthogonality_test", "update_size")
+BUSINESS = ECONOMY + ("tic_diag", "hessian_trace")
+PRESETS = {
+    "economy": ECONOMY,
+    "business": BUSINESS,
+    "full": BUSINESS + ("hessian_max_eigenvalue", "grad_hist_2d"),
+}
+INSTRUMENTS = PRESETS["full"] + ("mean_gsnr", "early_stopping", "cabs", "tic_trace")
+_TESTS = ("norm_test", "inner_product_test", "orthogonality_test")
+_MOMENTS = ("mean_gsnr", "early_stopping", "cabs", "grad_hist_1d", "grad_hist_2d")
+_CURVATURE = ("hessian_trace", "hessian_max_eigenvalue", "tic_diag", "tic_trace")
+_DIAGONAL = ("hessian_trace", "tic_diag", "tic_trace")
+_NORMS = ("grad_norm", "update_size", "distance")
+PER_PARAMETER = "per_parameter"
+# What a step does under `every`: read the instruments, start the next read step's
+# alpha (keep this step's loss, slope moments and update), both, or neither.
+_PHASES = ("read", "start", "read_start", "skip")
+# Cockpit's stabilising constants.
+_GSNR_EPS, _EARLY_STOPPING_EPS, _TIC_EPS = 1e-5, 1e-5, 1e-7
+
+
+class Schedule(NamedTuple):
+  """A tracking schedule: `schedule(step)` says whether to read at `step`, for a
+  Python int (a bool) or a traced JAX integer (a traced bool)."""
+
+  fn: Callable[[Any], Any]
+  description: str
+
+  def __call__(self, step):
+    return self.fn(step)
+
+
+def linear_schedule(interval: int, offset: int = 0) -> Schedule:
+  """Returns Cockpit's `linear` schedule: read at steps `offset + n * interval`, n >= 0.
+
+  Example:
+    >>> import oryx_gradlog as gl
+    >>> schedule = gl.linear_schedule(3, offset=1)
+    >>> [step for step in range(9) if schedule(step)]
+    [1, 4, 7]
+  """
+  for arg, value, least in (("interval", interval, 1), ("offset", offset, 0)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+      raise ValueError(f"linear_schedule({arg}={value!r}): give an integer >= {least}.")
+
+  def fn(step):
+    shifted = step - offset
+    if isinstance(step, int):
+      return shifted >= 0 and shifted % interval == 0
+    return (shifted >= 0) & (shifted % interval == 0)
+
+  return Schedule(fn, f"steps {offset} + n * {interval}")
+
+
+def logarithmic_schedule(start: float, end: float, steps: int = 300, base: float = 10,
+                         init: bool = True) -> Schedule:
+  """Returns Cockpit's `logarithmic` schedule: read at `int(base ** e)` for `steps`
+  exponents `e` evenly spaced from `start` to `end`, and at step 0 if `init`.
+
+  Example:
+    >>> import oryx_gradlog as gl
+    >>> schedule = gl.logarithmic_schedule(0, 2, steps=5)  # 1, 3, 10, 31, 100
+    >>> [step for step in range(101) if schedule(step)]
+    [0, 1, 3, 10, 31, 100]
+  """
+  tracked = np.logspace(start, end, steps, base=base).astype(np.int64)
+  if init:
+    tracked = np.append(tracked, 0)
+  tracked = np.unique(tracked)
+  members = frozenset(int(t) for t in tracked)
+
+  def fn(step):
+    if isinstance(step, int):
+      return step in members
+    return jnp.any(jnp.asarray(step) == jnp.asarray(tracked, jnp.int32))
+
+  return Schedule(fn, f"{len(tracked)} logarithmically spaced steps up to {tracked[-1]}")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "initial", "previous_update", "previous_loss", "previous_slope",
+                 "curvature", "key"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class InstrumentsState:
+  """What the instruments remember between steps (`None` where none needs it).
+
+  Attributes:
+    step: updates so far.
+    initial: the parameters at `init` (for `distance`).
+    previous_update: the last started step's update (for `alpha`).
+    previous_loss, previous_slope: `(mean, variance)` over the examples of that
+      step's losses and of the slopes `<grad l_i, update>` (for `alpha`).
+    curvature: the last curvature readings, by name (and per parameter).
+    key: the PRNG key for the curvature instruments.
+  """
+
+  step: jax.Array
+  initial: Any
+  previous_update: Any
+  previous_loss: tuple[jax.Array, jax.Array] | None
+  previous_slope: tuple[jax.Array, jax.Array] | None
+  curvature: dict[str, Any]
+  key: jax.Array | None
+
+
+class InstrumentsTransform(NamedTuple):
+  """Pure functions, as an optax `GradientTransformation` is (see
+  `training_instruments`): `init`, `update`, and `phase`, what a Python int step
+  does under the schedule."""
+
+  init: Any
+  update: Any
+  phase: Any
+
+
+def _instrument_names(preset) -> tuple[str, ...]:
+  if isinstance(preset, str):
+    if preset not in PRESETS:
+      raise ValueError(f"training_instruments(preset={preset!r}): the presets are "
+                       f"{sorted(PRESETS)}; or pass a tuple of instruments from "
+                       f"{INSTRUMENTS}.")
+    return PRESETS[preset]
+  names = tuple(preset)
+  unknown = [n for n in names if n not in INSTRUMENTS]
+  if unknown or not names:
+    raise ValueError(f"training_instruments(preset={preset!r}): {unknown or 'nothing'} "
+                     f"is not an instrument; pick from {INSTRUMENTS}.")
+  return names
+
+
+def _schedule(every) -> Schedule:
+  if callable(every):
+    return every if isinstance(every, Schedule) else Schedule(every, repr(every))
+  if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+    raise ValueError(f"training_instruments(every={every!r}): give a positive integer or "
+                     "a schedule function of the step (gl.linear_schedule, "
+                     "gl.logarithmic_schedule).")
+  return linear_schedule(every)
+
+
+def _layer_sources(api, records, selected, params, where):
+  """Per record name, the indices of its weight and bias among `params`' leaves.
+
+  From `where` (a tree like `params` of 'NAME.w' / 'NAME.b' / None) if given, else
+  by identity: the record's weight is the very array (tracer) passed in `params`.
+  """
+  leaves = jax.tree.leaves(params)
+  sources = {name: [None, None] for name in selected}
+  if where is not None:
+    paths, treedef = jax.tree.flatten(where, is_leaf=lambda v: v is None)
+    if treedef != jax.tree.structure(params):
+      raise ValueError(f"{api}: `where` has the structure {treedef} but `params` has "
+                       f"{jax.tree.structure(params)}; give it the structure of the "
+                       "parameters with 'NAME.w', 'NAME.b' or None at each leaf.")
+    for i, path in enumerate(paths):
+      name, _, field = (path or "").rpartition(".")
+      if name in sources and field in ("w", "b"):
+        sources[name]["wb".index(field)] = i
+  else:
+    index = {id(v): i for i, v in enumerate(leaves)}
+    for name in selected:
+      layer = records[name].primals[0]
+      sources[name] = [_find(layer.w, leaves, index), _find(layer.b, leaves, index)]
+  missing, bad = [], []
+  for name, (w, b) in sources.items():
+    layer = records[name].primals[0]
+    has_bias = layer.b is not None or layer.options.get("bias", False)
+    if w is None or (has_bias and b is None):
+      missing.append(name)
+    for field, i, value in (("w", w, layer.w), ("b", b, layer.b)):
+      if i is not None and value is not None and (
+          jnp.ndim(leaves[i]) > value.ndim
+          or value.shape[value.ndim - jnp.ndim(leaves[i]):] != jnp.shape(leaves[i])):
+        bad.append(f"'{name}.{field}' is recorded with shape {value.shape} but its "
+                   f"parameter has {jnp.shape(leaves[i])}")
+  if bad:
+    raise ValueError(f"{api}: " + "; ".join(bad) + ". `where` places parameters that "
+                     "the layers use as they are (not transposed or reshaped).")
+  if missing:
+    raise ValueError(
+        f"{api}: the layer records {missing} have a weight or bias that is not a leaf of "
+        "`params` (alpha's per-example slopes and tic_diag need each layer's slice of a "
+        "parameter-shaped tree). Pass where= to training_instruments, a tree like the "
+        "parameters with 'NAME.w' / 'NAME.b' (or None) at each leaf, or leave those "
+        "layers out with names=.")
+  return sources
+
+
+def _find(value, leaves, index):
+  """The index of `value` among `leaves`: the same array or tracer, or, outside any
+  trace (eager), the one leaf with the same shape and values."""
+  if value is None or id(value) in index:
+    return None if value is None else index[id(value)]
+  if isinstance(value, jax.core.Tracer):
+    return None
+  same = [i for i, leaf in enumerate(leaves)
+          if not isinstance(leaf, jax.core.Tracer) and jnp.shape(leaf) == jnp.shape(value)
+          and bool(jnp.array_equal(leaf, value))]
+  return same[0] if len(same) == 1 else None
+
+
+def _found_leaves(api, selection, tree) -> dict[str, Any]:
+  """`tree` (shaped like the parameters `gl.record_layers` recorded) by parameter path."""
+  param_tree = selection.uses[0].spec.tree
+  if jax.tree.structure(tree) != param_tree.treedef:
+    raise ValueError(
+        f"{api}: the parameters have the structure {jax.tree.structure(tree)} but the "
+        f"records were made by gl.record_layers with parameters of structure "
+        f"{param_tree.treedef}; pass the parameters the recorded function took.")
+  leaves = param_tree.treedef.flatten_up_to(tree)
+  return {path: leaf for path, leaf in zip(param_tree.paths, leaves) if path is not None}
+
+
+def _to_layers(tree, sources) -> dict[str, LayerParams]:
+  leaves = jax.tree.leaves(tree)
+  return {name: LayerParams(leaves[w], None if b is None else leaves[b])
+          for name, (w, b) in sources.items()}
+
+
+def training_instruments(
+    preset: str | Sequence[str] = "economy",
+    *,
+    reduction: str = "mean",
+    every: int | Callable[[Any], Any] = 1,
+    curvature_every: int = 10,
+    num_products: int = 20,
+    names: Sequence[str] | None = None,
+    tied: Collection[str] = (),
+    where: Any = None,
+    alpha_fit: str = "weighted",
+) -> InstrumentsTransform:
+  """Returns `init`/`update` functions that read Cockpit's instruments in the step.
+
+  Args:
+    preset: `"economy"`, `"business"`, `"full"` or a tuple of instrument names
+      (see the module docstring).
+    reduction: `"mean"` or `"sum"`: how the loss combines the per-example losses.
+    every: read the per-step instruments on steps 0, k, 2k, ... only (an int k,
+      Cockpit's `linear(k)`), or on the steps where a schedule function of the step
+      is true (`gl.linear_schedule`, `gl.logarithmic_schedule`, Cockpit's
+      `track_schedule`). The steps between read NaN and skip their work. By
+      default `update` follows the state's step count with `lax.cond` (fine inside
+      a `lax.scan`); from a Python training loop pass
+      `phase=instruments.phase(step)` as a static argument of the jitted step.
+    curvature_every: measure the curvature instruments every this many steps.
+    num_products: Hessian-vector products per curvature instrument and use.
+    names, tied: the layer records to use, as for `per_example_norms`.
+    where: for `alpha` and `tic_diag` where the layers' weights are not leaves of
+      `params` passed as they are: a tree like `params` with `'NAME.w'`,
+      `'NAME.b'` or `None` at each leaf, as for `to_param_tree`.
+    alpha_fit: `"weighted"` (Cockpit's) or `"unweighted"` (our earlier alpha, from
+      the batch means alone; no `losses` needed, NaN without curvature).
+
+  Returns:
+    An `InstrumentsTransform`. `init(params, key=None)` gives the state;
+    `update(state, records, *, loss, grads, params, updates, losses=None,
+    learning_rate=None, hessian_loss=None, phase=None)` returns `(readings,
+    state)`: `readings` a dict by instrument name of scalars, of histograms
+    (`{"counts", "edges"}`) and, under `"per_parameter"`, of trees like `params`.
+    `params` are those the gradient was taken at, `updates` what the optimizer
+    adds to them, `losses` the per-example losses (for `alpha`),
+    `learning_rate` SGD's (for `cabs`). `phase(step)` says what a Python int step
+    does: `"read"`, `"start"` (the step before a read step keeps what alpha
+    needs), `"read_start"` or `"skip"`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> def loss(w, x):
+    ...   losses = jnp.sum(gl.dense(x, w, name="fc") ** 2, axis=-1)
+    ...   return jnp.mean(losses), losses
+    >>> w, x = jnp.ones((1, 1)), jnp.array([[1.0], [3.0]])
+    >>> instruments = gl.training_instruments(("loss", "alpha", "grad_norm"))
+    >>> state = instruments.init(w)
+    >>> for _ in range(2):
+    ...   ((value, losses), grads), records = gl.call_and_reap(
+    ...       jax.value_and_grad(loss, has_aux=True))(w, x)
+    ...   readings, state = instruments.update(
+    ...       state, records, loss=value, grads=grads, params=w, updates=-0.05 * grads,
+    ...       losses=losses)
+    ...   w = w - 0.05 * grads
+    >>> round(float(readings["alpha"]), 4)  # f(w) = 5 w^2: step 0.5 / 1 of the way
+    -0.5
+  """
+  api = "training_instruments"
+  instruments = _instrument_names(preset)
+  if not isinstance(curvature_every, int) or isinstance(curvature_every, bool) or (
+      curvature_every < 1):
+    raise ValueError(f"{api}(curvature_every={curvature_every!r}): give a positive integer.")
+  if alpha_fit not in ("weighted", "unweighted"):
+    raise ValueError(f"{api}(alpha_fit={alpha_fit!r}): give 'weighted' (Cockpit's) or "
+                     "'unweighted'.")
+  schedule = _schedule(every)
+  every_step = not callable(every) and every == 1
+  curvature = [n for n in instruments if n in _CURVATURE]
+  wants = set(instruments)
+  wants_alpha = "alpha" in wants
+  weighted = wants_alpha and alpha_fit == "weighted"
+  per_step = [n for n in instruments if n not in _CURVATURE]
+
+  def init(params, key=None):
+    zero = lambda: jnp.zeros((), jnp.float32)  # One buffer each: states get donated.
+    if curvature and key is None:
+      key = jax.random.PRNGKey(0)
+    measured = {n: jnp.full((), jnp.nan, jnp.float32) for n in curvature}
+    if "hessian_trace" in wants:
+      measured[PER_PARAMETER] = jax.tree.map(lambda _: jnp.full((), jnp.nan, jnp.float32),
+                                             params)
+    return InstrumentsState(
+        step=jnp.zeros((), jnp.int32),
+        # A copy: the step may donate `params`, which must not delete `initial`.
+        initial=jax.tree.map(jnp.copy, params) if "distance" in wants else None,
+        previous_update=(jax.tree.map(jnp.zeros_like, params) if wants_alpha else None),
+        previous_loss=(zero(), zero()) if wants_alpha else None,
+        previous_slope=(zero(), zero()) if wants_alpha else None,
+        curvature=measured,
+        key=key if curvature else None)
+
+  def selection_of(records):
+    return _view.collect(f"{api}.update", records, names, _ghost.NORM_KINDS, tied)
+
+  def selected(records):
+    return list(selection_of(records).hand)
+
+  def slopes(records, direction, sources, tied_names):
+    """`(B,)`: per example, `<grad l_i, direction>` over the recorded layers."""
+    layers = _to_layers(direction, sources)
+    total = 0.0
+    for name, layer_direction in layers.items():
+      products = _clip.per_example_inner_products(records[name], layer_direction,
+                                                  name in tied_names)
+      total = total + products
+    selection = selection_of(records)
+    if selection.found:  # Found uses: by parameter path, a jvp per use.
+      directions = _found_leaves(f"{api}.update", selection, direction)
+      for use in selection.uses:
+        total = total + use.products(use.from_params(directions))
+    batch = total.shape[0]
+    return _ghost.loss_scale(reduction, batch) * total
+
+  def moment_readings(records, loss, learning_rate, params):
+    readings = {}
+    hists = {"grad_hist_1d", "grad_hist_2d"} & wants
+    moments, batch = _instruments.layer_moments(
+        f"{api}.update", records, reduction=reduction, names=names, tied=tied,
+        per_example=bool(hists))
+    mean_sq = [(m * m, s / batch) for moment in moments.values()
+               for m, s in zip(jax.tree.leaves(moment.mean),
+                               jax.tree.leaves(moment.sum_squares))]
+    count = sum(m.size for m, _ in mean_sq)
+    if "mean_gsnr" in wants:
+      readings["mean_gsnr"] = sum(
+          jnp.sum(g2 / (s - g2 + _GSNR_EPS)) for g2, s in mean_sq) / count
+    if "early_stopping" in wants:
+      snr = sum(jnp.sum(g2 / ((s - g2) * batch / (batch - 1) + _EARLY_STOPPING_EPS))
+                for g2, s in mean_sq)
+      readings["early_stopping"] = 1 - batch * snr / count
+    if "cabs" in wants:
+      mean_loss = loss / batch if reduction == "sum" else loss
+      readings["cabs"] = learning_rate * sum(jnp.sum(s - g2) for g2, s in mean_sq) / mean_loss
+    if hists:
+      tied_names = _ghost.check_tied(f"{api}.update", records, tied)
+      selection = selection_of(records)
+      values = (_found_leaves(f"{api}.update", selection, params) if selection.found
+                else None)
+      hist = _histograms.histograms_from_moments(moments, records, tied_names,
+                                                 two_d="grad_hist_2d" in wants,
+                                                 values=values)
+      if "grad_hist_1d" in wants:
+        readings["grad_hist_1d"] = {"counts": hist.counts_1d, "edges": hist.edges_1d}
+      if "grad_hist_2d" in wants:
+        readings["grad_hist_2d"] = {"counts": hist.counts_2d, "x_edges": hist.edges_2d[0],
+                                    "y_edges": hist.edges_2d[1]}
+    return readings
+
+  def read(state, records, loss, grads, params, updates, losses, learning_rate, start):
+    """The per-step readings, and alpha's start `(loss, slope)` moments if `start`."""
+    readings = {}
+    if "loss" in wants:
+      readings["loss"] = loss
+    if wants & set(_TESTS):
+      tests = _instruments.batch_size_tests(records, reduction=reduction, names=names,
+                                            tied=tied)
+      readings.update({n: getattr(tests, n) for n in _TESTS if n in wants})
+    if wants & set(_MOMENTS):
+      readings.update(moment_readings(records, loss, learning_rate, params))
+    pairs = {}
+    if "grad_norm" in wants:
+      pairs["grad_norm"] = (grads, grads)
+    if "update_size" in wants:
+      pairs["update_size"] = (updates, updates)
+    if "distance" in wants:
+      moved = jax.tree.map(jnp.subtract, params, state.initial)
+      pairs["distance"] = (moved, moved)
+    if wants_alpha:
+      pairs["slope_1"] = (grads, state.previous_update)
+      pairs["previous_size"] = (state.previous_update, state.previous_update)
+    if start:
+      pairs["slope_0"] = (grads, updates)
+    sums = _step_quality.leaf_inner_products(pairs) if pairs else {}
+    treedef = jax.tree.structure(params)
+    per_parameter = {}
+    for n in _NORMS:
+      if n in wants:
+        readings[n] = jnp.sqrt(sum(sums[n]))
+        per_parameter[n] = jax.tree.unflatten(treedef, [jnp.sqrt(v) for v in sums[n]])
+    if per_parameter:
+      readings[PER_PARAMETER] = per_parameter
+    begun = None
+    if weighted:
+      sources = _layer_sources(f"{api}.update", records, selected(records), params, where)
+      tied_names = _ghost.check_tied(f"{api}.update", records, tied)
+      loss_1 = (jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1))
+      slope_var = jnp.var(slopes(records, state.previous_update, sources, tied_names),
+                          ddof=1)
+      size = jnp.sqrt(sum(sums["previous_size"]))
+      safe = jnp.where(size == 0, 1.0, size)
+      slope_1 = sum(sums["slope_1"])
+      alpha = _step_quality.alpha_from_moments(
+          size, (state.previous_loss[0], loss_1[0], state.previous_slope[0] / safe,
+                 slope_1 / safe),
+          (state.previous_loss[1], loss_1[1], state.previous_slope[1] / safe**2,
+           slope_var / safe**2))
+      readings["alpha"] = jnp.where(state.step > 0, alpha, jnp.nan)
+      if start:
+        begun = (loss_1, (sum(sums["slope_0"]), jnp.var(
+            slopes(records, updates, sources, tied_names), ddof=1)))
+    elif wants_alpha:
+      alpha = _step_quality.step_alpha(state.previous_loss[0], state.previous_slope[0],
+                                       loss, sum(sums["slope_1"]), fit="unweighted")
+      readings["alpha"] = jnp.where(state.step > 0, alpha, jnp.nan)
+      if start:
+        zero = jnp.zeros((), jnp.float32)
+        begun = ((jnp.asarray(loss, jnp.float32), zero), (sum(sums["slope_0"]), zero))
+    readings = {n: readings[n] for n in [*per_step, PER_PARAMETER] if n in readings}
+    return _float32(readings), begun
+
+  def start_only(records, loss, grads, params, updates, losses):
+    """Alpha's start moments alone (a step before a read step)."""
+    slope = _step_quality.inner_products({"s": (grads, updates)})["s"]
+    if not weighted:
+      zero = jnp.zeros((), jnp.float32)
+      return (jnp.asarray(loss, jnp.float32), zero), (slope, zero)
+    sources = _layer_sources(f"{api}.update", records, selected(records), params, where)
+    tied_names = _ghost.check_tied(f"{api}.update", records, tied)
+    return ((jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1)),
+            (slope, jnp.var(slopes(records, updates, sources, tied_names), ddof=1)))
+
+  def measure_curvature(records, hessian_loss, params, key):
+    measured = {}
+    keys = dict(zip(("diagonal", "eigenvalue"), jax.random.split(key)))
+    if wants & set(_DIAGONAL):
+      diagonal = _hessian.hessian_diagonal(hessian_loss, params, key=keys["diagonal"],
+                                           num_products=num_products)
+      leaves = [jnp.sum(v) for v in jax.tree.leaves(diagonal)]
+      trace = sum(leaves)
+      if "hessian_trace" in wants:
+        measured["hessian_trace"] = trace
+        measured[PER_PARAMETER] = jax.tree.unflatten(jax.tree.structure(params), leaves)
+      if wants & {"tic_diag", "tic_trace"}:
+        moments, batch = _instruments.layer_moments(
+            f"{api}.update", records, reduction=reduction, names=names, tied=tied)
+        if "tic_trace" in wants:
+          second = sum(jnp.sum(v) for m in moments.values()
+                       for v in jax.tree.leaves(m.sum_squares))
+          measured["tic_trace"] = second / batch / (trace + _TIC_EPS)
+        if "tic_diag" in wants:
+          selection = selection_of(records)
+          sources = _layer_sources(f"{api}.update", records, list(selection.hand), params,
+                                   where)
+          curvatures = _to_layers(diagonal, sources)
+          if selection.found:
+            curvatures.update({
+                path: LayerParams(leaf, None) for path, leaf in _found_leaves(
+                    f"{api}.update", selection, diagonal).items()})
+          measured["tic_diag"] = sum(
+              jnp.sum(s / batch / (h.reshape(s.shape) + _TIC_EPS))
+              for name, m in moments.items()
+              for s, h in zip(jax.tree.leaves(m.sum_squares),
+                              jax.tree.leaves(curvatures[name])))
+    if "hessian_max_eigenvalue" in wants:
+      measured["hessian_max_eigenvalue"] = _hessian.hessian_max_eigenvalue(
+          hessian_loss, params, key=keys["eigenvalue"], num_products=num_products)
+    return _float32(measured)
+
+  def phase(step: int) -> str:
+    """What step `step` (a Python int) does under the schedule."""
+    reads, starts = bool(schedule(step)), wants_alpha and bool(schedule(step + 1))
+    return {(True, True): "read_start", (True, False): "read", (False, True): "start",
+            (False, False): "skip"}[reads, starts]
+
+  def when(condition, fn, otherwise):
+    """`fn()` or `otherwise()`: chosen in Python for a bool, by `lax.cond` if traced."""
+    if isinstance(condition, bool):
+      return fn() if condition else otherwise()
+    return lax.cond(condition, fn, otherwise)
+
+  def traced_schedule(step):
+    try:
+      return jnp.asarray(schedule(step), bool)
+    except jax.errors.ConcretizationTypeError as error:
+      raise ValueError(
+          f"{api}.update: the schedule {schedule.description} cannot be evaluated on the "
+          "traced step count. Pass phase=instruments.phase(step) as a static argument "
+          "of the jitted step, or use gl.linear_schedule / gl.logarithmic_schedule."
+      ) from error
+
+  def update(state: InstrumentsState, records, *, loss, grads, params, updates,
+             losses=None, learning_rate=None,
+             hessian_loss: Callable[[Any], jax.Array] | None = None,
+             phase: str | None = None):
+    problems = []
+    if curvature and hessian_loss is None:
+      problems.append(f"the instruments {curvature} need hessian_loss, the batch loss as "
+                      "a function of the parameters, e.g. hessian_loss=lambda p: loss(p, x, y)")
+    if weighted and losses is None:
+      problems.append("alpha needs losses, the per-example losses (B,) of the batch "
+                      "(Cockpit's individual_losses), or training_instruments("
+                      "alpha_fit='unweighted')")
+    if "cabs" in wants and learning_rate is None:
+      problems.append("cabs needs learning_rate, SGD's learning rate")
+    if phase is not None and phase not in _PHASES:
+      problems.append(f"phase={phase!r} is not one of {_PHASES} (give None, the schedule "
+                      "from the state's step count, or instruments.phase(step))")
+    if problems:
+      raise ValueError(f"{api}.update: " + "; ".join(problems) + ".")
+    if phase is None and every_step:
+      reads = starts = True
+    elif phase is None:  # The schedule on the traced step count.
+      reads = traced_schedule(state.step)
+      starts = traced_schedule(state.step + 1) if wants_alpha else False
+    else:
+      reads, starts = phase in ("read", "read_start"), wants_alpha and phase in (
+          "start", "read_start")
+    losses = None if losses is None else jnp.asarray(losses, jnp.float32)
+    args = (state, records, loss, grads, params, updates, losses, learning_rate)
+    keep = lambda: (state.previous_loss, state.previous_slope, state.previous_update)
+    if reads is True and starts is True:  # Read, and start the next alpha in one pass.
+      readings, begun = read(*args, start=wants_alpha)
+      begun = (*begun, updates) if wants_alpha else None
+    else:
+      shapes = jax.eval_shape(lambda: read(*args, start=False)[0])
+      readings = when(reads, lambda: read(*args, start=False)[0],
+                      lambda: jax.tree.map(_unread, shapes))
+      begun = None
+      if wants_alpha:
+        begun = when(starts, lambda: (*start_only(records, loss, grads, params, updates,
+                                                  losses), updates), keep)
+    previous = {}
+    if wants_alpha:
+      previous = dict(zip(("previous_loss", "previous_slope", "previous_update"), begun))
+    measured, key = state.curvature, state.key
+    if curvature:
+      key, use = jax.random.split(state.key)
+      measured = lax.cond(state.step % curvature_every == 0,
+                          lambda: measure_curvature(records, hessian_loss, params, use),
+                          lambda: state.curvature)
+      readings.update({n: measured[n] for n in curvature})
+      if PER_PARAMETER in measured:
+        readings[PER_PARAMETER] = {**readings.get(PER_PARAMETER, {}),
+                                   "hessian_trace": measured[PER_PARAMETER]}
+    readings = {n: readings[n] for n in [*instruments, PER_PARAMETER] if n in readings}
+    return readings, dataclasses.replace(state, step=state.step + 1, curvature=measured,
+                                         key=key, **previous)
+
+  return InstrumentsTransform(init, update, phase)
+
+
+def _float32(tree):
+  return jax.tree.map(
+      lambda v: v if jnp.issubdtype(jnp.result_type(v), jnp.integer)
+      else jnp.asarray(v, jnp.float32), tree)
+
+
+def _unread(shape):
+  """What a step that reads nothing reports: NaN, or -1 for counts."""
+  fill = -1 if jnp.issubdtype(shape.dtype, jnp.integer) else jnp.nan
+  return jnp.full(shape.shape, fill, shape.dtype)

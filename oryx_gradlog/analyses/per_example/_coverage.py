@@ -1,0 +1,239 @@
+"""What `record_layers` finds in a model, checked before training: `layer_coverage`.
+
+Opacus's `ModuleValidator` tells a user, before any step, which modules its
+per-example machinery cannot handle. `layer_coverage(loss, params, *batch)` does the
+same for any JAX function: it traces the function as `gl.record_layers` does
+(abstractly, with `jax.eval_shape`: nothing is computed), and for every parameter
+leaf says how its per-example gradient will be formed:
+
+* the kind of each use (dense, convolution, embedding, element-wise, generic);
+* the method: `"gram"` (the ghost norm, from Gram matrices of inputs and output
+  cotangents) or `"materialized"` (the per-example gradients are formed), chosen by
+  the same cost model as `per_example_norms(method="auto")`;
+* the estimated multiply-adds and floats held for its per-example norms;
+* or why it is not covered: a use that couples examples (batch norm, a loss term
+  over the batch), or no use at all (the parameter never meets the batch).
+
+Sharp edges:
+  * Estimates are of the per-example norms only (the clipped gradient's vjps cost
+    what the backward pass's weight gradients cost).
+  * A parameter with no use gets a zero clipped gradient from `gl.clipped_grad`;
+    that is right only if it does not reach the loss (check `unused`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.record import _record_layers, _view
+from oryx_gradlog.record._reap import reap
+from oryx_gradlog.record._record_layers import (
+    CONV, DENSE, ELEMENTWISE, EMBED, UNSUPPORTED)
+
+_TAG = "gradlog_layer_coverage"
+
+
+@dataclasses.dataclass(frozen=True)
+class UseCoverage:
+  """One use of a parameter.
+
+  Attributes:
+    record: the record name of the use.
+    kind: the use's kind (`"dense"`, `"conv"`, `"embed"`, `"elementwise"`,
+      `"generic"` or `"unsupported"`).
+    where: the operation (and, where JAX kept it, the source line).
+    reason: why an unsupported use is not supported (else `""`).
+  """
+
+  record: str
+  kind: str
+  where: str
+  reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCoverage:
+  """How one parameter leaf's per-example gradient is formed.
+
+  Attributes:
+    path: the parameter's name.
+    shape: its shape.
+    uses: its uses.
+    method: `"gram"`, `"materialized"`, or `""` if not covered.
+    macs: estimated multiply-adds of its per-example norms.
+    floats: estimated floats held for them.
+    covered: whether the per-example analyses can read it.
+    note: why not, or what to know.
+  """
+
+  path: str
+  shape: tuple
+  uses: tuple[UseCoverage, ...]
+  method: str
+  macs: int
+  floats: int
+  covered: bool
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCoverage:
+  """Every parameter leaf of a function and how `record_layers` covers it.
+
+  Attributes:
+    params: per parameter path, a `ParamCoverage`, in the parameters' order.
+    batch_size: the batch size the estimates are for.
+  """
+
+  params: dict[str, ParamCoverage]
+  batch_size: int
+
+  @property
+  def uncovered(self) -> list[str]:
+    """The parameters the per-example analyses cannot read."""
+    return [p for p, c in self.params.items() if not c.covered]
+
+  @property
+  def unused(self) -> list[str]:
+    """The parameters no use reads (they never meet the batch)."""
+    return [p for p, c in self.params.items() if not c.uses]
+
+  def __str__(self) -> str:
+    rows = [("parameter", "shape", "uses", "method", "MACs", "MiB", "note")]
+    for c in self.params.values():
+      kinds = ", ".join(dict.fromkeys(u.kind for u in c.uses)) or "-"
+      rows.append((c.path, str(c.shape), kinds, c.method or "-", _si(c.macs),
+                   f"{4 * c.floats / 2**20:.2f}", c.note))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1]
+             for r in rows]
+    total = sum(c.macs for c in self.params.values())
+    lines.append(f"{len(self.params)} parameters, {len(self.uncovered)} not covered; "
+                 f"per-example norms: {_si(total)} multiply-adds at batch "
+                 f"{self.batch_size}.")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _si(n: int) -> str:
+  for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if n >= size:
+      return f"{n / size:.1f}{unit}"
+  return str(int(n))
+
+
+def _use_cost(use: _view.FoundUse, method: str) -> tuple[str, int, int]:
+  """`(method, multiply-adds, floats)` of one use's per-example norms, alone."""
+  batch = use.batch_size
+  w_size = math.prod(use.spec.avals[use.spec.param_args[0]].shape) * math.prod(
+      use.spec.calls)
+  view = use.view() if use.spec.kind in (DENSE, CONV, EMBED) else None
+  if view is not None:
+    chosen = _ghost.choose_method(view, method)
+    s, b, t, d_out = view.g.shape
+    d_in = 1 if view.kind == "embed" else view.x.shape[3]
+    macs, floats = _ghost.costs(view.kind, b, t, d_in, d_out, view.vocabulary)[chosen]
+    return chosen, s * macs, s * floats
+  out = math.prod(use.g.shape)
+  if use.spec.kind == ELEMENTWISE:
+    return _ghost.MATERIALIZED, out, batch * w_size
+  return _ghost.MATERIALIZED, batch * out, batch * (w_size + out)
+
+
+def layer_coverage(
+    fun: Callable[..., Any],
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+    has_aux: bool = False,
+    method: str = "auto",
+    **kwargs: Any,
+) -> LayerCoverage:
+  """Returns how every parameter of `fun` is covered by the per-example analyses.
+
+  Call it with the arguments of one step, before training; nothing is computed
+  (the function is traced abstractly). `print(...)` shows a table.
+
+  Args:
+    fun: the batch loss, as for `gl.record_layers` and `gl.clipped_grad`.
+    *args: its positional arguments (parameters and a batch).
+    argnums: the parameter argument(s).
+    batch_argnums: the batch arguments (default: all others).
+    has_aux: whether `fun` returns `(loss, aux)`.
+    method: as for `per_example_norms`.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A `LayerCoverage`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> def loss(params, x):
+    ...   return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
+    >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2), "unused": jnp.zeros(1)}
+    >>> coverage = gl.layer_coverage(loss, params, jnp.ones((8, 3)))
+    >>> coverage.params["w"].method, coverage.params["b"].uses[0].kind, coverage.unused
+    ('gram', 'elementwise', ['unused'])
+  """
+  api = "layer_coverage"
+  if method not in ("auto", _ghost.GRAM, _ghost.MATERIALIZED):
+    raise ValueError(f"{api}(method={method!r}): method must be 'auto', 'gram' or "
+                     "'materialized'.")
+  recorded = _record_layers.record_layers(fun, argnums=argnums,
+                                          batch_argnums=batch_argnums, tag=_TAG)
+  signature = _record_layers.Signature(api, args, kwargs, argnums, batch_argnums)
+  grad = reap(jax.grad(recorded, argnums=argnums, has_aux=has_aux), tag=_TAG)
+  rows: dict[str, dict[str, Any]] = {}
+
+  def measure(*args, **kwargs):
+    records = grad(*args, **kwargs)
+    uses: dict[str, list[_view.FoundUse]] = {}
+    for name, record in records.items():
+      use = _view.FoundUse.of(name, record)
+      for path in use.spec.paths:
+        uses.setdefault(path, []).append(use)
+    for path, group in uses.items():
+      row = rows.setdefault(path, {"uses": [], "method": "", "macs": 0, "floats": 0,
+                                   "note": ""})
+      row["uses"] = [UseCoverage(u.name, u.spec.kind, u.spec.where, u.spec.reason)
+                     for u in group]
+      bad = [u for u in group if u.spec.kind == UNSUPPORTED]
+      if bad:
+        row["note"] = f"not covered: {bad[0].spec.where} is not supported because " \
+                      f"{bad[0].spec.reason}"
+        continue
+      costs = [_use_cost(u, method) for u in group]
+      if len(group) == 1 and group[0].simple:
+        row["method"], row["macs"], row["floats"] = costs[0]
+      else:
+        row["method"] = _ghost.MATERIALIZED
+        row["macs"] = sum(c[1] for c in costs)
+        row["floats"] = sum(c[2] for c in costs)
+        row["note"] = ("several uses (tied): per-example gradients formed and summed"
+                       if len(group) > 1 else
+                       "a function of parameters: per-example gradients formed")
+    return 0
+
+  jax.eval_shape(measure, *args, **kwargs)
+  tree = signature.tree
+  params = {}
+  for path, shape in zip(tree.paths, tree.shapes):
+    if path is None:
+      continue
+    row = rows.get(path)
+    if row is None:
+      params[path] = ParamCoverage(
+          path, tuple(shape), (), "", 0, 0, True,
+          "no use: it never meets the batch (zero per-example gradient)")
+      continue
+    covered = not any(u.kind == UNSUPPORTED for u in row["uses"])
+    params[path] = ParamCoverage(path, tuple(shape), tuple(row["uses"]), row["method"],
+                                 int(row["macs"]), int(row["floats"]), covered,
+                                 row["note"])
+  return LayerCoverage(params, signature.batch_size)
+
