@@ -498,6 +498,25 @@ def test_report_draws_every_instrument_of_a_real_run(tmp_path):
   last_alpha = run["instruments.alpha"].values[4]
   assert f"<tr><td>alpha</td><td>{last_alpha:.4g}</td></tr>" in text
   assert "instruments.per_parameter.grad_norm" in run
+  # TensorBoard, read back by its own reader: the scalars at their read steps, the
+  # 1-D histogram at its read steps.
+  pytest.importorskip("tensorboardX")
+  accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+  events = accumulator.EventAccumulator(str(gl.export_tensorboard(tmp_path / "run")),
+                                        size_guidance={"scalars": 0, "histograms": 0})
+  events.Reload()
+  alpha = run["instruments.alpha"].values
+  assert [e.step for e in events.Scalars("instruments.alpha")] == list(
+      np.flatnonzero(np.isfinite(alpha)))
+  np.testing.assert_allclose([e.value for e in events.Scalars("instruments.alpha")],
+                             alpha[np.isfinite(alpha)], rtol=1e-6)
+  assert any(tag.startswith("instruments.per_parameter.grad_norm")
+             for tag in events.Tags()["scalars"])
+  histograms = events.Histograms("instruments.grad_hist_1d")
+  assert [h.step for h in histograms] == [0, 2, 4]
+  assert all(h.histogram_value.num == 3 * 4 for h in histograms)
+  assert not any("grad_hist_2d" in tag for tags in events.Tags().values()
+                 if isinstance(tags, list) for tag in tags)
 
 
 def test_the_state_survives_a_step_that_donates_params_and_state():

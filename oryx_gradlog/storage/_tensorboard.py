@@ -20,6 +20,9 @@ Sharp edges:
   * NaN instrument readings (steps an instrument was not read) are left out; NaN
     in other scalar series is written as NaN. Histograms of arrays are of their
     finite entries; a step with none is left out.
+  * A histogram instrument (`grad_hist_1d`: counts and edges) becomes a TensorBoard
+    histogram at the steps that read it. TensorBoard has no 2-D histogram:
+    `grad_hist_2d` is in the dashboard (and the store) only.
   * A run with nothing numeric to export is a `ValueError`, not an empty file.
   * Tags are the run's names as they are: tensorboardX's `SummaryWriter` would
     replace characters such as `%`, `\\` and spaces, so summaries go through its
@@ -63,12 +66,18 @@ def export_tensorboard(run_dir: str | os.PathLike, logdir: str | os.PathLike | N
         "numbers with RunLog.append, e.g. log.append(step, {'loss': loss}).")
   logdir = os.fspath(logdir or os.path.join(os.fspath(run_dir), "tensorboard"))
   steps = dataset["step"].values
+  histograms = [name[:-len(".counts")] for name in instruments
+                if name.endswith(".counts") and name[:-len(".counts")] + ".edges" in dataset]
+  parts = {f"{h}.{part}" for h in histograms for part in ("counts", "edges")}
   writer = _Writer(tensorboardx, logdir)
   try:
     for group in groups:
       _write_summary(writer, dataset, group, steps)
+    for name in histograms:
+      _write_counts(writer, dataset, name, steps)
     for name in instruments + series:
-      _write_series(writer, dataset[name], steps, skip_nan=name in instruments)
+      if name not in parts and not _is_2d_histogram(dataset, name):
+        _write_series(writer, dataset[name], steps, skip_nan=name in instruments)
   finally:
     writer.close()
   return logdir
@@ -127,6 +136,26 @@ def _write_summary(writer, dataset, group, steps) -> None:
         sum=float(bucket_counts @ centres), sum_squares=float(norms[i]) ** 2,
         bucket_limits=limits.tolist(), bucket_counts=bucket_counts.tolist(),
         global_step=int(step))
+
+
+def _is_2d_histogram(dataset, name: str) -> bool:
+  """Whether `name` is part of a 2-D histogram instrument (counts and x/y edges)."""
+  base = name.rsplit(".", 1)[0]
+  return f"{base}.x_edges" in dataset and name.split(".")[-1] in ("counts", "x_edges", "y_edges")
+
+
+def _write_counts(writer, dataset, name, steps) -> None:
+  """A histogram instrument (`NAME.counts` in the bins `NAME.edges`) as TensorBoard
+  histograms, at the steps that read it (counts of -1 elsewhere)."""
+  counts = np.asarray(dataset[f"{name}.counts"].values, np.float64)
+  edges = np.asarray(dataset[f"{name}.edges"].values, np.float64)
+  for step, count, edge in zip(steps, counts, edges):
+    if np.all(count >= 0):
+      centres = (edge[:-1] + edge[1:]) / 2
+      writer.add_histogram_raw(
+          name, min=float(edge[0]), max=float(edge[-1]), num=int(count.sum()),
+          sum=float(count @ centres), sum_squares=float(count @ centres**2),
+          bucket_limits=edge[1:].tolist(), bucket_counts=count.tolist(), global_step=int(step))
 
 
 def _write_series(writer, array, steps, *, skip_nan: bool, max_entries: int = 2**24) -> None:
