@@ -190,6 +190,27 @@ def test_a_layer_summary_labels_only_example_axes_as_examples(tmp_path):
                              np.linalg.norm(g, axis=-1), rtol=1e-5)
 
 
+def test_a_found_layer_record_is_summarized_by_its_output_cotangent_per_example():
+  # record_layers finds the uses of w (batch on axis 1 of its output) and b.
+  def loss(params, x, perturb=0.0):
+    z = jnp.einsum("io,bi->ob", params["w"], x) + perturb
+    return jnp.sum(jnp.sin(z.T + params["b"]) ** 2)
+
+  keys = jax.random.split(jax.random.PRNGKey(1), 2)
+  params = {"w": jax.random.normal(keys[0], (3, 4)), "b": jnp.full(4, 0.1)}
+  x = jax.random.normal(keys[1], (5, 3))
+  records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+  summary = gl.summarize(records, keep_axes=1)["w"].summary
+  assert summary.primals is None and summary.in_cotangents is None
+  # True computation: dL/dz, (4, 5), by the zero-perturbation trick.
+  g = jax.grad(lambda d: loss(params, x, d))(jnp.zeros((4, 5)))
+  np.testing.assert_allclose(summary.out_cotangent.norm, np.linalg.norm(g, axis=0), rtol=1e-5)
+  # The operands on request keep no example axis (they have no shared one).
+  full = gl.summarize(records, keep_axes=1, layer_parts="*")["w"].summary
+  assert all(s.norm.shape == () for s in jax.tree.leaves(
+      full.primals, is_leaf=lambda node: isinstance(node, gl.Summary)))
+
+
 def test_too_many_keep_axes_names_the_record():
   with pytest.raises(ValueError, match=r"summarize: record 'h' has shape \(3,\), fewer than "
                      r"keep_axes=2 axes.*smaller keep_axes"):

@@ -60,7 +60,7 @@ import numpy as np
 from jax import lax
 
 from oryx_gradlog.record._layers import LayerInputs
-from oryx_gradlog.record._view import call_axes, is_layer_record
+from oryx_gradlog.record._view import call_axes, is_found_record, is_layer_record
 from oryx_gradlog.record._record import VJPRecord
 
 
@@ -317,9 +317,12 @@ def _summarize_layer(record: VJPRecord, parts, keep_axes: int, bins) -> VJPRecor
 
   Only the input `x` and the output cotangent have an example axis: a weight or a
   bias (and their cotangents) keeps at most its call axes, so that a kept axis of a
-  summary is never a weight's rows.
+  summary is never a weight's rows. In a record that `record_layers` found, the
+  output cotangent's batch axis is moved to follow the call axes, and the operands
+  (whose batch axes differ) keep at most their call axes.
   """
   calls = call_axes(record)
+  found = is_found_record(record)
 
   def leaf(x, has_examples):
     axes = keep_axes if has_examples else min(keep_axes, calls)
@@ -332,11 +335,27 @@ def _summarize_layer(record: VJPRecord, parts, keep_axes: int, bins) -> VJPRecor
   def part(name, value):
     if "*" not in parts and name not in parts:
       return None
+    if name == "out_cotangent" and found:
+      return leaf(*_examples_after_calls(value, record.primals[0].spec.out_batch, calls))
     if name == "out_cotangent":
       return leaf(value, True)
+    if found:
+      return jax.tree.map(lambda x: leaf(x, False), value)
     return jax.tree.map(layer, value, is_leaf=lambda node: isinstance(node, LayerInputs))
 
   return VJPRecord(*(part(name, getattr(record, name)) for name in LAYER_PARTS))
+
+
+def _examples_after_calls(g, out_batch, calls: int) -> tuple[Any, bool]:
+  """`g` with its batch axis `(axis, factor)` split from the factor and moved after
+  the call axes, and whether it has one."""
+  if g is None or out_batch is None:
+    return g, False
+  axis, factor = out_batch
+  axis += calls
+  if factor > 1:  # The batch merged with positions, the batch the outer factor.
+    g = g.reshape(g.shape[:axis] + (g.shape[axis] // factor, factor) + g.shape[axis + 1:])
+  return jnp.moveaxis(g, axis, calls), True
 
 
 def summarize(
@@ -363,9 +382,10 @@ def summarize(
     bins: magnitude histogram edges (default `magnitude_bins()`), or None for no
       histogram (`Summary.histogram` is None; the cheapest summaries).
     layer_parts: what to summarize of a layer record (made by `gl.dense`,
-      `gl.conv2d`, `gl.embed`, `gl.layer_norm`): its fields `"out_cotangent"`
-      (default), `"in_cotangents"`, `"primals"`, or `"*"` for all. The summary is a
-      `VJPRecord` of `Summary`s with `None` for the parts left out.
+      `gl.conv2d`, `gl.embed`, `gl.layer_norm`, or found by `gl.record_layers`):
+      its fields `"out_cotangent"` (default), `"in_cotangents"`, `"primals"`, or
+      `"*"` for all. The summary is a `VJPRecord` of `Summary`s with `None` for
+      the parts left out.
 
   Returns:
     `{name: Logged(full=..., summary=...)}` for every name matched by `full` or
@@ -393,7 +413,7 @@ def summarize(
     summarized = None
     if keep_summary:
       try:
-        if is_layer_record(record):
+        if is_layer_record(record) or is_found_record(record):
           summarized = _summarize_layer(record, layer_parts, keep_axes, bins)
         else:
           summarized = jax.tree.map(
