@@ -164,6 +164,9 @@ class Chain:
     target: the variable the chain computes.
     crossed: whether the chain was computed outside the scan, cond or remat body
       that uses it (its inputs are then out of reach there).
+    aliases: `(var, var it stands for)` pairs where the chain crosses a `jit`
+      boundary (a body's input and its argument, an equation's output and the
+      body's result).
   """
 
   keys: tuple
@@ -171,14 +174,29 @@ class Chain:
   eqns: tuple
   target: Any
   crossed: bool = False
+  aliases: tuple = ()
 
   def __call__(self, *values):
     env = {key[1]: value for key, value in zip(self.keys, values)}
-    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+    alias = dict(self.aliases)
+
+    def read(v):
+      if isinstance(v, jax.extend.core.Literal):
+        return v.val
+      while v not in env and v in alias:
+        v = alias[v]
+      return env[v]
+
     for eqn in self.eqns:
       outs = _internals.bind_eqn(eqn.primitive, eqn.params, [read(v) for v in eqn.invars])
       env.update(zip(eqn.outvars, outs))
-    return env[self.target]
+    return read(self.target)
+
+  def renamed(self, var) -> Chain:
+    """The chain with its value known as `var` (across a `jit` boundary)."""
+    if var is self.target:
+      return self
+    return dataclasses.replace(self, target=var, aliases=self.aliases + ((var, self.target),))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -434,7 +452,7 @@ def _join(infos, batch=None) -> Info:
 
 def _chain_of(invocation, eqn, ins, target) -> Chain:
   """The chain computing `target` (an output of `eqn`) from its inputs' lineages."""
-  keys, eqns = {}, {}
+  keys, eqns, aliases = {}, {}, {}
   for var, info in zip(eqn.invars, ins):
     if isinstance(var, jax.extend.core.Literal):
       continue
@@ -442,10 +460,12 @@ def _chain_of(invocation, eqn, ins, target) -> Chain:
       for key, lineage in zip(info.lineage.keys, info.lineage.inputs):
         keys.setdefault(key, lineage)
       eqns.update((id(e), e) for e in info.lineage.eqns)
+      aliases.update(info.lineage.aliases)
     else:
       keys.setdefault((invocation, var), info.lineage if info.is_param else None)
   eqns[id(eqn)] = eqn
-  return Chain(tuple(keys), tuple(keys.values()), tuple(eqns.values()), target)
+  return Chain(tuple(keys), tuple(keys.values()), tuple(eqns.values()), target,
+               aliases=tuple(aliases.items()))
 
 
 def _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
@@ -582,10 +602,19 @@ def _with_batches(outs, batches):
   return [dataclasses.replace(o, batch=b) for o, b in zip(outs, batches)]
 
 
+def _renamed(info: Info, var) -> Info:
+  """`info` of a value that a `jit` boundary renames to `var` (chains follow)."""
+  if isinstance(info.lineage, Chain) and isinstance(var, jax.extend.core.Var):
+    return dataclasses.replace(info, lineage=info.lineage.renamed(var))
+  return info
+
+
 def _jit(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
   """A `jit` body is looked into as if inlined (and inlined where it holds uses)."""
-  outs = analysis.run(eqn.params["jaxpr"].jaxpr, eqn2.params["jaxpr"].jaxpr, ins, path,
-                      calls)
+  body = eqn.params["jaxpr"].jaxpr
+  outs = analysis.run(body, eqn2.params["jaxpr"].jaxpr,
+                      [_renamed(i, v) for i, v in zip(ins, body.invars)], path, calls)
+  outs = [_renamed(o, v) for o, v in zip(outs, eqn.outvars)]
   return _with_batches(outs, batches)
 
 
