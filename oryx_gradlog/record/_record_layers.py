@@ -217,9 +217,10 @@ class ParamTree:
   dtypes: tuple
 
   def unflatten(self, values: dict[str, Any]) -> Any:
-    """A tree like the parameters with `values[path]` at each leaf (zeros where a
-    path has no value, `None` at leaves that are not arrays)."""
-    leaves = [None if path is None else values[path] if path in values
+    """A tree like the parameters with `values[path]` at each leaf, in the leaf's
+    dtype as `jax.grad` gives it (zeros where a path has no value, `None` at leaves
+    that are not arrays)."""
+    leaves = [None if path is None else values[path].astype(dtype) if path in values
               else jnp.zeros(shape, dtype)
               for path, shape, dtype in zip(self.paths, self.shapes, self.dtypes)]
     return self.treedef.unflatten(leaves)
