@@ -562,17 +562,21 @@ def _conv_ok(eqn, ins) -> bool:
 
 
 def _embed_ok(eqn, ins) -> bool:
-  """A gather of whole rows of a table at batched ids (`table[ids]`, `jnp.take`)."""
+  """A gather of whole rows of a table at batched ids (`table[ids]`, `jnp.take`, and
+  Equinox's `weight[id]` under vmap, which also indexes the other axes at starts
+  that a whole-width slice clamps to 0, and keeps the row axis as size 1)."""
   dims = eqn.params["dimension_numbers"]
   operand, indices = eqn.invars[0].aval, eqn.invars[1].aval
+  out = eqn.outvars[0].aval
+  start = tuple(dims.start_index_map)
   axis = ins[1].batch
-  return (tuple(dims.collapsed_slice_dims) == (0,) and tuple(dims.start_index_map) == (0,)
+  return (tuple(dims.collapsed_slice_dims) in ((0,), ()) and start[:1] == (0,)
+          and (len(start) == 1 or eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP)
           and not tuple(getattr(dims, "operand_batching_dims", ()))
           and tuple(eqn.params["slice_sizes"]) == (1, *operand.shape[1:])
-          and indices.shape[-1] == 1 and axis is not None and axis[1] == 1
+          and indices.shape[-1] == len(start) and axis is not None and axis[1] == 1
           and axis[0] < indices.ndim - 1
-          and tuple(dims.offset_dims) == tuple(
-              range(indices.ndim - 1, indices.ndim - 2 + operand.ndim)))
+          and tuple(dims.offset_dims) == tuple(range(indices.ndim - 1, out.ndim)))
 
 
 def _reshape(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
