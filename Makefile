@@ -29,6 +29,9 @@ SHARED_ORYX ?= ../shared/oryx
 # The Oryx main commit of each set that needs one.
 ORYX_COMMIT_jax-0.8.2 = aa33090
 ORYX_COMMIT_jax-0.10.2 = 9b9ef13
+# Extras of one set only: the peers that tests compare with where they run
+# (kfac-jax 0.0.8 runs on JAX 0.8.2, not 0.10; its tests skip where it is missing).
+SET_EXTRAS_jax-0.8.2 = peers
 
 .PHONY: demo test bench test-all test-set bench-set wheel oryx-wheel clean
 
@@ -75,12 +78,14 @@ ORYX_COMMIT = $(ORYX_COMMIT_$(SET))
 ORYX_EXTRA = $(if $(ORYX_COMMIT),oryx-main,oryx-release)
 ORYX_WHEEL = $(firstword $(wildcard $(SHARED_ORYX)/$(ORYX_COMMIT)/oryx-*.whl dist/oryx-$(ORYX_COMMIT)/oryx-*.whl))
 ORYX_SOURCE = $(or $(ORYX_WHEEL),oryx @ git+https://github.com/jax-ml/oryx@$(ORYX_COMMIT))
+comma := ,
+SET_EXTRAS = $(if $(SET_EXTRAS_$(SET)),$(comma)$(SET_EXTRAS_$(SET)))
 .PHONY: .venv-install
 .venv-install:
 	rm -rf $(DIR)
 	$(PYTHON) -m venv $(DIR)
 	$(DIR)/bin/python -m pip install --quiet --upgrade pip
-	$(DIR)/bin/python -m pip install --quiet -c constraints/$(SET).txt -e ".[$(ORYX_EXTRA),$(EXTRAS)]"
+	$(DIR)/bin/python -m pip install --quiet -c constraints/$(SET).txt -e ".[$(ORYX_EXTRA),$(EXTRAS)$(SET_EXTRAS)]"
 	$(if $(ORYX_COMMIT),$(DIR)/bin/python -m pip install --quiet --no-deps "$(ORYX_SOURCE)")
 	$(DIR)/bin/python -c "import jax, oryx_gradlog; print('$(SET) in $(DIR): jax', jax.__version__)"
 	touch $(DIR)/.installed
