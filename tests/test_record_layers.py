@@ -1,0 +1,745 @@
+"""`gl.record_layers` on plain-JAX models: every kind of use, against `vmap(grad)`.
+
+Setup: a small model written in plain JAX (no layer marked), as a function of
+parameters and a batch of per-example losses; the batch loss is their mean or sum.
+True computation (`per_example.py`): each example's gradient from
+`jax.vmap(jax.grad(loss))` on one-example batches, its norms per parameter and over
+all parameters, and the DP-SGD clipped gradient. Library computation: one reaped
+backward pass of `jax.grad(gl.record_layers(loss))` under `jit`, read by
+`gl.per_example_norms` and `gl.clipped_grads(...).params`, or `gl.clipped_grad`.
+Comparison: relative error at most 1e-5 (float32).
+
+The models cover each kind of use the issue lists: `dot_general` with assorted
+dimension numbers, `conv_general_dilated` in assorted layouts, embeddings, element-wise
+scales and shifts, parameters reaching their use through views, a scan over stacked
+layers and functions of parameters (LoRA, weight normalisation), tied weights and
+generic uses; inside `jit`, `scan`, `checkpoint` and `cond`, under `vmap` (inside the
+loss, and outside the recorded function) and under a sharded `jit`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from per_example import (
+    assert_norms_close, assert_rel_err, check_found, clip, found, median_clip, norms_of,
+    per_example_grads)
+
+import oryx_gradlog as gl
+
+B = 4
+
+
+def _normal(key, *shape, scale=0.5):
+  return scale * jax.random.normal(jax.random.PRNGKey(key), shape)
+
+
+def _ids(key, *shape, vocabulary):
+  """Token ids with repeats within every example."""
+  ids = jax.random.randint(jax.random.PRNGKey(key), shape, 0, vocabulary)
+  return ids.at[..., 1].set(ids[..., 0]) if len(shape) > 1 else ids
+
+
+def _batch_loss(per_example, reduction="mean"):
+  """The batch loss of per-example losses `per_example(params, *batch) -> (B,)`."""
+  reduce = jnp.mean if reduction == "mean" else jnp.sum
+
+  def loss(params, *batch):
+    return reduce(per_example(params, *batch))
+  return loss
+
+
+def _sq(y):
+  """A per-example loss from a batched output: half the sum of squares but axis 0."""
+  return 0.5 * jnp.sum(jnp.tanh(y) ** 2, axis=tuple(range(1, y.ndim)))
+
+
+# ----------------------------------------------------------------------------------
+# The models: name -> () -> (per-example loss, params, batch).
+
+MODELS = {}
+
+
+def model(fn):
+  MODELS[fn.__name__] = fn
+  return fn
+
+
+@model
+def dense_vector():
+  def per_example(p, x):
+    return _sq(jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"])
+  params = {"w1": _normal(1, 5, 3), "b1": _normal(2, 3), "w2": _normal(3, 3, 2)}
+  return per_example, params, (_normal(4, B, 5, scale=1.0),)
+
+
+@model
+def dense_sequence():
+  def per_example(p, x):
+    return _sq(x @ p["w"] + p["b"])
+  params = {"w": _normal(1, 5, 3), "b": _normal(2, 3)}
+  return per_example, params, (_normal(4, B, 6, 5, scale=1.0),)
+
+
+@model
+def dense_parameter_on_the_left():
+  """`W x` with the weight as the first operand of the dot_general."""
+  def per_example(p, x):
+    return _sq(jnp.einsum("oi,bti->bot", p["w"], x))
+  return per_example, {"w": _normal(1, 3, 5)}, (_normal(4, B, 6, 5, scale=1.0),)
+
+
+@model
+def dense_transposed_weight():
+  def per_example(p, x):
+    return _sq(x @ p["w"].T)
+  return per_example, {"w": _normal(1, 3, 5)}, (_normal(4, B, 5, scale=1.0),)
+
+
+@model
+def dense_batch_not_leading():
+  """Data whose batch axis is not its first: `x` `(T, B, d)` inside the model."""
+  def per_example(p, x):
+    y = jnp.swapaxes(x, 0, 1) @ p["w"]  # (T, B, o)
+    return _sq(jnp.swapaxes(y, 0, 1))
+  return per_example, {"w": _normal(1, 5, 3)}, (_normal(4, B, 6, 5, scale=1.0),)
+
+
+@model
+def attention_3d_kernels():
+  """Multi-head attention with `(d, heads, k)` and `(heads, k, d)` kernels via einsum."""
+  def per_example(p, x):
+    q = jnp.einsum("btd,dhk->bthk", x, p["query"]["kernel"]) + p["query"]["bias"]
+    k = jnp.einsum("btd,dhk->bthk", x, p["key"]["kernel"])
+    v = jnp.einsum("btd,dhk->bthk", x, p["value"]["kernel"])
+    weights = jax.nn.softmax(jnp.einsum("bthk,bshk->bhts", q, k) / 2.0, axis=-1)
+    h = jnp.einsum("bhts,bshk->bthk", weights, v)
+    return _sq(jnp.einsum("bthk,hkd->btd", h, p["out"]["kernel"]) + p["out"]["bias"])
+  params = {"query": {"kernel": _normal(1, 4, 2, 3), "bias": _normal(2, 2, 3)},
+            "key": {"kernel": _normal(3, 4, 2, 3)},
+            "value": {"kernel": _normal(4, 4, 2, 3)},
+            "out": {"kernel": _normal(5, 2, 3, 4), "bias": _normal(6, 4)}}
+  return per_example, params, (_normal(7, B, 5, 4, scale=1.0),)
+
+
+@model
+def dot_general_batch_dims_per_head():
+  """A per-head weight `(heads, k, m)` whose head axis is a dot_general batch dim
+  shared with the data: once via einsum, once via `lax.dot_general` with the weight
+  first (output `(heads, m, B)`)."""
+  def per_example(p, x):
+    y = jnp.einsum("bhk,hkm->bhm", x, p["w"])  # (B, H, m)
+    z = lax.dot_general(p["v"], jnp.tanh(y), (((1,), (2,)), ((0,), (1,))))  # (H, n, B)
+    return _sq(jnp.transpose(z, (2, 0, 1)))
+  params = {"w": _normal(1, 2, 3, 4), "v": _normal(2, 2, 4, 3)}
+  return per_example, params, (_normal(3, B, 2, 3, scale=1.0),)
+
+
+@model
+def tied_embedding_output_projection():
+  """`table[ids]`, then the logits `h @ table.T`: one table, two uses (cross terms)."""
+  def per_example(p, ids):
+    h = jnp.tanh(p["embed"][ids] @ p["w"])
+    logits = h @ p["embed"].T
+    return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], -1),
+                    axis=(1, 2))
+  params = {"embed": _normal(1, 7, 4), "w": _normal(2, 4, 4)}
+  return per_example, params, (_ids(3, B, 5, vocabulary=7),)
+
+
+def _conv(x, w, b, **options):
+  y = lax.conv_general_dilated(x, w, **options)
+  return y + b.reshape([-1 if c == "C" else 1 for c in options["dimension_numbers"][2]])
+
+
+CONVS = {
+    "nhwc_stride2_same": dict(
+        x=(B, 6, 5, 3), w=(3, 3, 3, 4), window_strides=(2, 2), padding="SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    "nchw_valid_rhs_dilation": dict(
+        x=(B, 3, 7, 6), w=(4, 3, 2, 2), window_strides=(1, 1), padding="VALID",
+        rhs_dilation=(2, 1), dimension_numbers=("NCHW", "OIHW", "NCHW")),
+    "explicit_padding_lhs_dilation": dict(
+        x=(B, 4, 3, 2), w=(3, 2, 2, 3), window_strides=(1, 1),
+        padding=((1, 2), (0, 1)), lhs_dilation=(2, 2),
+        dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    "feature_groups": dict(
+        x=(B, 5, 5, 4), w=(2, 2, 2, 6), window_strides=(1, 1), padding="SAME",
+        feature_group_count=2, dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    "depthwise": dict(
+        x=(B, 5, 5, 3), w=(3, 3, 1, 3), window_strides=(1, 1), padding="SAME",
+        feature_group_count=3, dimension_numbers=("NHWC", "HWIO", "NHWC")),
+    "conv1d": dict(
+        x=(B, 8, 3), w=(3, 3, 4), window_strides=(2,), padding="SAME",
+        dimension_numbers=("NWC", "WIO", "NWC")),
+    "conv3d": dict(
+        x=(B, 3, 4, 4, 2), w=(2, 2, 2, 2, 3), window_strides=(1, 1, 1), padding="VALID",
+        dimension_numbers=("NDHWC", "DHWIO", "NDHWC")),
+    "channels_first_kernel_last": dict(
+        x=(B, 2, 5, 5), w=(3, 3, 2, 4), window_strides=(1, 2), padding="SAME",
+        dimension_numbers=("NCHW", "HWIO", "NHWC")),
+}
+
+
+def _conv_model(name):
+  options = dict(CONVS[name])
+  x_shape, w_shape = options.pop("x"), options.pop("w")
+  out_channels = w_shape[options["dimension_numbers"][1].index("O")]
+
+  def per_example(p, x):
+    return _sq(_conv(x, p["kernel"], p["bias"], **options))
+  params = {"kernel": _normal(1, *w_shape), "bias": _normal(2, out_channels)}
+  return per_example, params, (_normal(3, *x_shape, scale=1.0),)
+
+
+for _name in CONVS:
+  MODELS[f"conv_{_name}"] = functools.partial(_conv_model, _name)
+
+
+@model
+def embed_index_repeated_ids():
+  def per_example(p, ids):
+    return _sq(p["table"][ids])
+  return per_example, {"table": _normal(1, 6, 3)}, (_ids(2, B, 5, vocabulary=6),)
+
+
+@model
+def embed_take_one_id_per_example():
+  """`jnp.take` of one row per example; two examples share an id."""
+  def per_example(p, ids):
+    return _sq(jnp.take(p["table"], ids, axis=0))
+  ids = jnp.array([2, 0, 2, 5])
+  return per_example, {"table": _normal(1, 6, 3)}, (ids,)
+
+
+@model
+def embed_scalar_index_under_vmap():
+  """Equinox's embedding: `table[i]` of one id, vmapped over positions and examples."""
+  def per_example(p, ids):
+    return _sq(jax.vmap(jax.vmap(lambda i: p["table"][i]))(ids))
+  return per_example, {"table": _normal(1, 6, 3)}, (_ids(2, B, 5, vocabulary=6),)
+
+
+@model
+def embed_take_with_bias_and_dense():
+  def per_example(p, ids):
+    h = jnp.take(p["table"], ids, axis=0) + p["bias"]
+    return _sq(h @ p["w"])
+  params = {"table": _normal(1, 9, 4), "bias": _normal(2, 4), "w": _normal(3, 4, 2)}
+  return per_example, params, (_ids(4, B, 6, vocabulary=9),)
+
+
+def _layer_norm(x, scale, offset, eps=1e-5):
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+  return (x - mean) * lax.rsqrt(var + eps) * scale + offset
+
+
+def _rms_norm(x, scale, eps=1e-6):
+  return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+@model
+def scale_and_shift():
+  """A learned position embedding `x + pos`, layer norm and RMSNorm scales and
+  offsets, a bias and a scalar gain."""
+  def per_example(p, x):
+    h = x + p["pos"]
+    h = _layer_norm(h, p["ln"]["scale"], p["ln"]["offset"])
+    h = jnp.tanh(h @ p["w"] + p["b"])
+    h = _rms_norm(h, p["rms"]["scale"])
+    return _sq(p["gain"] * h)
+  params = {"pos": _normal(1, 5, 4), "ln": {"scale": 1 + _normal(2, 4), "offset": _normal(3, 4)},
+            "w": _normal(4, 4, 3), "b": _normal(5, 3), "rms": {"scale": 1 + _normal(6, 3)},
+            "gain": jnp.array(1.5)}
+  return per_example, params, (_normal(7, B, 5, 4, scale=1.0),)
+
+
+@model
+def parameters_broadcast_to_the_output():
+  """Haiku's way: `jnp.broadcast_to(b, out.shape)` of a bias, a per-position gain
+  `(T, 1)` and a position embedding `(T, d)`, then added or multiplied."""
+  def per_example(p, x):
+    y = x @ p["w"]
+    y = y + jnp.broadcast_to(p["b"], y.shape)
+    y = y * jnp.broadcast_to(p["gain"], y.shape) + jnp.broadcast_to(p["pos"], y.shape)
+    return _sq(y)
+  params = {"w": _normal(1, 5, 3), "b": _normal(2, 3), "gain": 1 + _normal(3, 6, 1),
+            "pos": _normal(4, 6, 3)}
+  return per_example, params, (_normal(5, B, 6, 5, scale=1.0),)
+
+
+@model
+def scan_over_stacked_layers_with_views():
+  """A `lax.scan` over layers whose stacked parameters are reshaped, transposed and
+  sliced before their use."""
+  def per_example(p, x):
+    def block(h, layer):
+      w = layer["w"].reshape(4, 4).T
+      h = jnp.tanh(h @ w + layer["b"][:4])
+      return h, None
+    h, _ = lax.scan(block, x, p["blocks"])
+    return _sq(h @ p["head"])
+  params = {"blocks": {"w": _normal(1, 3, 16), "b": _normal(2, 3, 6)},
+            "head": _normal(3, 4, 2)}
+  return per_example, params, (_normal(4, B, 4, scale=1.0),)
+
+
+@model
+def lora_and_weight_norm():
+  """Functions of parameters alone: LoRA's `W + A @ B` and `g * v / |v|`."""
+  def per_example(p, x):
+    w = p["lora"]["w"] + p["lora"]["a"] @ p["lora"]["b"]
+    h = jnp.tanh(x @ w)
+    v = p["wn"]["v"]
+    w2 = p["wn"]["g"] * v / jnp.linalg.norm(v, axis=0, keepdims=True)
+    return _sq(h @ w2)
+  params = {"lora": {"w": _normal(1, 5, 4), "a": _normal(2, 5, 2), "b": _normal(3, 2, 4)},
+            "wn": {"v": _normal(4, 4, 3), "g": 1 + _normal(5, 3)}}
+  return per_example, params, (_normal(6, B, 3, 5, scale=1.0),)
+
+
+@model
+def tied_weight_used_twice():
+  def per_example(p, x):
+    return _sq(jnp.tanh(x @ p["w"] + p["b"]) @ p["w"] + p["b"])
+  return per_example, {"w": _normal(1, 4, 4), "b": _normal(2, 4)}, (_normal(3, B, 4, scale=1.0),)
+
+
+@jax.custom_jvp
+def _soft_gate(x, w):
+  return x * jax.nn.sigmoid(w * x)
+
+
+@_soft_gate.defjvp
+def _soft_gate_jvp(primals, tangents):
+  x, w = primals
+  dx, dw = tangents
+  s = jax.nn.sigmoid(w * x)
+  ds = s * (1 - s)
+  return _soft_gate(x, w), dx * (s + x * ds * w) + dw * x * x * ds
+
+
+@model
+def generic_uses():
+  """Uses with no Gram form: a column gather and a custom_jvp function of data and a
+  parameter (generic); a class token broadcast to the batch and a parameter entering
+  a cumulative sum with the data (element-wise)."""
+  def per_example(p, x, ids):
+    cls = jnp.broadcast_to(p["cls"], (x.shape[0], 1, x.shape[2]))
+    h = jnp.concatenate([cls, x], axis=1)  # (B, T + 1, d)
+    h = _soft_gate(h, p["gate"])
+    h = jnp.cumsum(jnp.concatenate([h, p["prefix"] + 0 * h[:, :1]], axis=1), axis=1)
+    columns = p["columns"][:, ids]  # (d, B)
+    return _sq(h) + jnp.sum(columns.T ** 2, axis=1)
+  params = {"cls": _normal(1, 1, 4), "gate": _normal(2, 4), "prefix": _normal(3, 1, 4),
+            "columns": _normal(4, 3, 5)}
+  return per_example, params, (_normal(5, B, 3, 4, scale=1.0), jnp.array([1, 4, 1, 0]))
+
+
+@model
+def inner_jit_checkpoint_and_cond():
+  """Uses inside a jitted function, a `jax.checkpoint` block and both branches of a
+  `lax.cond` on a parameter."""
+  @jax.jit
+  def dense(x, w, b):
+    return jnp.tanh(x @ w + b)
+
+  @jax.checkpoint
+  def block(h, w):
+    return jnp.tanh(h @ w) + h
+
+  def per_example(p, x):
+    h = dense(x, p["w"], p["b"])
+    h = block(h, p["remat"])
+    h = lax.cond(jnp.sum(p["gate"]) > 0, lambda h: h @ p["yes"], lambda h: h * p["no"], h)
+    return _sq(h)
+  params = {"w": _normal(1, 3, 4), "b": _normal(2, 4), "remat": _normal(3, 4, 4),
+            "gate": jnp.ones(2), "yes": _normal(4, 4, 4), "no": _normal(5, 4)}
+  return per_example, params, (_normal(6, B, 3, scale=1.0),)
+
+
+@model
+def rnn_scan_with_a_tied_cell():
+  """An RNN: `lax.scan` over positions, the cell's weights closed over (tied)."""
+  def per_example(p, x):
+    def cell(c, xt):
+      c = jnp.tanh(c @ p["u"] + xt @ p["w"] + p["b"])
+      return c, c
+    c, hs = lax.scan(cell, jnp.zeros((x.shape[0], 4)), jnp.swapaxes(x, 0, 1))
+    return _sq(c) + _sq(jnp.swapaxes(hs, 0, 1) @ p["out"])
+  params = {"u": _normal(1, 4, 4), "w": _normal(2, 3, 4), "b": _normal(3, 4),
+            "out": _normal(4, 4, 2)}
+  return per_example, params, (_normal(5, B, 5, 3, scale=1.0),)
+
+
+@model
+def vmap_inside_the_loss():
+  """A model written for one example, vmapped inside the loss (Equinox style)."""
+  def one(p, image, ids):
+    y = lax.conv_general_dilated(image[None], p["conv"], (1, 1), "SAME",
+                                 dimension_numbers=("NCHW", "OIHW", "NCHW"))[0]
+    h = jnp.mean(jnp.tanh(y), axis=(1, 2)) @ p["w"]  # (4,)
+    tokens = p["table"][ids] + h  # (T, 4)
+    return _sq(_layer_norm(tokens, p["scale"], p["offset"])[None])[0]
+
+  def per_example(p, images, ids):
+    return jax.vmap(one, in_axes=(None, 0, 0))(p, images, ids)
+  params = {"conv": _normal(1, 3, 2, 3, 3), "w": _normal(2, 3, 4), "table": _normal(3, 6, 4),
+            "scale": 1 + _normal(4, 4), "offset": _normal(5, 4)}
+  return per_example, params, (_normal(6, B, 2, 5, 5, scale=1.0), _ids(7, B, 3, vocabulary=6))
+
+
+def _case(name, reduction="mean"):
+  per_example, params, batch = MODELS[name]()
+  return _batch_loss(per_example, reduction), params, batch
+
+
+# ----------------------------------------------------------------------------------
+# Every model, mean and sum losses.
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_norms_and_clipped_grads_match_vmap_of_grad(name):
+  loss, params, batch = _case(name)
+  check_found(loss, params, *batch)
+
+
+SUM_MODELS = ["attention_3d_kernels", "conv_feature_groups", "embed_index_repeated_ids",
+              "lora_and_weight_norm", "scan_over_stacked_layers_with_views", "generic_uses"]
+
+
+@pytest.mark.parametrize("name", SUM_MODELS)
+def test_sum_loss(name):
+  loss, params, batch = _case(name, "sum")
+  check_found(loss, params, *batch, reduction="sum")
+
+
+METHOD_MODELS = ["attention_3d_kernels", "dot_general_batch_dims_per_head",
+                 "conv_nhwc_stride2_same", "conv_feature_groups", "embed_index_repeated_ids",
+                 "scan_over_stacked_layers_with_views", "tied_embedding_output_projection"]
+
+
+@pytest.mark.parametrize("method", ["gram", "materialized"])
+@pytest.mark.parametrize("name", METHOD_MODELS)
+def test_gram_and_materialized_methods(name, method):
+  loss, params, batch = _case(name)
+  result = check_found(loss, params, *batch, method=method)
+  # A parameter with one use that keeps its norms takes the method asked for; tied
+  # weights and functions of parameters are always materialised.
+  methods = result.norms.method
+  assert set(methods.values()) <= {method, "materialized"}
+  if name != "tied_embedding_output_projection":
+    assert method in methods.values(), methods
+
+
+def test_auto_method_chooses_by_multiply_adds_and_memory():
+  """The cost model: a long sequence through a narrow dense layer is cheaper
+  materialised; one position through a wide one as a Gram form; an embedding whose
+  per-example tables take fewer multiply-adds but more memory than the Gram form
+  and the activations takes the Gram form (the issue's B x 500 x 64 case)."""
+  def per_example(p, ids, x):
+    return _sq(p["table"][ids]) + _sq(x @ p["narrow"]) + _sq(x[:, :1] @ p["wide"])
+  params = {"table": _normal(1, 50, 8), "narrow": _normal(2, 3, 2),
+            "wide": _normal(3, 3, 40)}
+  batch = (_ids(5, B, 10, vocabulary=50), _normal(4, B, 30, 3, scale=1.0))
+  result = check_found(_batch_loss(per_example), params, *batch)
+  assert result.norms.method == {"table": "gram", "narrow": "materialized", "wide": "gram"}
+
+
+def test_parameter_cast_from_bfloat16():
+  """A bfloat16 parameter cast to float32 before its use: norms in float32 from the
+  float32 cotangents (the reference differentiates a float32 copy)."""
+  def per_example(p, x):
+    return _sq(x @ p["w"].astype(jnp.float32) + p["b"])
+  params = {"w": _normal(1, 5, 3).astype(jnp.bfloat16), "b": _normal(2, 3)}
+  reference = {"w": params["w"].astype(jnp.float32), "b": params["b"]}
+  x = _normal(3, B, 5, scale=1.0)
+  loss = _batch_loss(per_example)
+  grads = per_example_grads(loss, reference, x)
+  expected, total = norms_of(grads)
+  result = found(loss, params, x, l2_norm_clip=median_clip(grads))
+  for name in expected:
+    assert_norms_close(result.norms.layers[name], expected[name], what=name)
+  assert_norms_close(result.norms.total, total)
+  assert result.clipped["w"].dtype == jnp.bfloat16
+  assert_rel_err(result.clipped, clip(grads, median_clip(grads), "mean"), tol=1e-2)
+
+
+# ----------------------------------------------------------------------------------
+# Transformations around the recorded function.
+
+
+def test_eager_without_jit():
+  loss, params, batch = _case("embed_take_with_bias_and_dense")
+  check_found(loss, params, *batch, wrap=lambda f: f)
+
+
+def test_outer_vmap_with_the_analyses_inside_it():
+  """An ensemble of two models on their own batches: the recorded function, the
+  reap and the analyses all inside one `vmap`."""
+  per_example, params, _ = dense_vector()
+  loss = _batch_loss(per_example)
+  members = jax.tree.map(lambda a: jnp.stack([a, 1.5 * a]), params)
+  xs = _normal(9, 2, B, 5, scale=1.0)
+  c = 0.8
+
+  def analyse(params, x):
+    records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+    norms = gl.per_example_norms(records)
+    return norms, gl.clipped_grads(records, l2_norm_clip=c).params
+
+  norms, clipped = jax.jit(jax.vmap(analyse))(members, xs)
+  for m in range(2):
+    member = jax.tree.map(lambda a: a[m], members)
+    grads = per_example_grads(loss, member, xs[m])
+    layers, total = norms_of(grads)
+    assert 0 < np.sum(total > c) < B, total  # Some examples are clipped, some not.
+    for name, expected in layers.items():
+      assert_norms_close(norms.layers[name][m], expected, what=name)
+    assert_norms_close(norms.total[m], total)
+    assert_rel_err(jax.tree.map(lambda a: a[m], clipped), clip(grads, c, "mean"))
+
+
+def test_sharded_jit_over_eight_devices():
+  """The batch split over 8 CPU devices, the parameters replicated."""
+  assert jax.device_count() >= 8
+  mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+  by_example, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+  per_example, params, _ = attention_3d_kernels()
+  loss = _batch_loss(per_example)
+  x = jax.device_put(_normal(8, 8, 5, 4, scale=1.0), by_example)
+  params = jax.device_put(params, replicated)
+
+  def wrap(fun):
+    return jax.jit(fun, in_shardings=(replicated, by_example))
+
+  result = check_found(loss, params, x, wrap=wrap)
+  assert result.norms.total.shape == (8,)
+  grads = per_example_grads(loss, params, x)
+  c = median_clip(grads)
+  step = jax.jit(gl.clipped_grad(loss, l2_norm_clip=c, return_norms=True),
+                 in_shardings=(replicated, by_example))
+  clipped, norms = step(params, x)
+  assert_rel_err(clipped, clip(grads, c, "mean"))
+  assert_norms_close(norms, norms_of(grads)[1])
+
+
+# ----------------------------------------------------------------------------------
+# gl.clipped_grad, used like jax.grad.
+
+
+def _mlp():
+  per_example, params, (x,) = dense_vector()
+  y = _normal(11, B, 2, scale=1.0)
+
+  def example_losses(p, x, y):
+    return 0.5 * jnp.sum((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2, axis=-1)
+  return example_losses, params, x, y
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_clipped_grad_is_vmap_grad_and_clip(reduction):
+  example_losses, params, x, y = _mlp()
+  loss = _batch_loss(example_losses, reduction)
+  grads = per_example_grads(loss, params, x, y)
+  c = median_clip(grads)
+  clipped = jax.jit(gl.clipped_grad(loss, l2_norm_clip=c, reduction=reduction))(params, x, y)
+  assert_rel_err(clipped, clip(grads, c, reduction))
+
+
+def test_clipped_grad_has_aux_and_return_norms():
+  example_losses, params, x, y = _mlp()
+
+  def loss(p, x, y):
+    losses = example_losses(p, x, y)
+    return jnp.mean(losses), {"losses": losses}
+
+  grads = per_example_grads(loss, params, x, y, has_aux=True)
+  c = median_clip(grads)
+  (clipped, norms), aux = jax.jit(gl.clipped_grad(
+      loss, l2_norm_clip=c, has_aux=True, return_norms=True))(params, x, y)
+  assert_rel_err(clipped, clip(grads, c, "mean"))
+  assert_norms_close(norms, norms_of(grads)[1])
+  np.testing.assert_allclose(aux["losses"], example_losses(params, x, y), rtol=1e-6)
+
+
+def test_clipped_grad_argnums_tuple():
+  """Two parameter arguments, as `jax.grad(argnums=(0, 1))`: a tuple of gradients
+  clipped by the norm over both."""
+  example_losses, params, x, y = _mlp()
+  first = {"w1": params["w1"], "b1": params["b1"]}
+  second = {"w2": params["w2"]}
+  loss = lambda p, q, x, y: jnp.mean(example_losses({**p, **q}, x, y))
+  grads = per_example_grads(loss, first, second, x, y, argnums=(0, 1))
+  c = median_clip(grads)
+  clipped = jax.jit(gl.clipped_grad(loss, l2_norm_clip=c, argnums=(0, 1)))(
+      first, second, x, y)
+  assert isinstance(clipped, tuple) and len(clipped) == 2
+  assert_rel_err(clipped, clip(grads, c, "mean"))
+
+
+def test_clipped_grad_batch_argnums_and_keyword_arguments():
+  """Only argument 1 holds the batch; argument 2 (a temperature) and a keyword
+  argument are passed through."""
+  example_losses, params, x, y = _mlp()
+
+  def loss(p, batch, temperature, *, offset):
+    x, y = batch
+    return jnp.mean(example_losses(p, x / temperature + offset, y))
+
+  t, offset = jnp.array(2.0), jnp.array(0.25)
+  grads = per_example_grads(lambda p, b, t: loss(p, b, t, offset=offset), params, (x, y), t,
+                            batch_argnums=1)
+  c = median_clip(grads)
+  clipped = gl.clipped_grad(loss, l2_norm_clip=c, batch_argnums=1)(params, (x, y), t,
+                                                                    offset=offset)
+  assert_rel_err(clipped, clip(grads, c, "mean"))
+
+
+def test_clipped_grad_poisson_padding_has_weight_zero():
+  """Padding examples of `gl.poisson_batch` weigh 0: the clipped gradient is that of
+  the sampled examples alone, and the padding's norms are 0."""
+  example_losses, params, _, _ = _mlp()
+  x, y = _normal(12, 40, 5, scale=1.0), _normal(13, 40, 2, scale=1.0)
+  batch = gl.poisson_batch(jax.random.PRNGKey(3), 40, sampling_rate=0.2, batch_size=16)
+  count = int(batch.count)
+  assert 0 < count < 16
+
+  def loss(p, x, y, weights):
+    return jnp.sum(weights * example_losses(p, x, y))
+
+  sampled = batch.indices[:count]
+  plain = lambda p, x, y: jnp.sum(example_losses(p, x, y))
+  grads = per_example_grads(plain, params, x[sampled], y[sampled])
+  c = median_clip(grads)
+  clipped, norms = jax.jit(gl.clipped_grad(loss, l2_norm_clip=c, reduction="sum",
+                                           return_norms=True))(
+      params, x[batch.indices], y[batch.indices], batch.weights)
+  assert_rel_err(clipped, clip(grads, c, "sum"))
+  assert_norms_close(norms[:count], norms_of(grads)[1])
+  np.testing.assert_array_equal(norms[count:], 0.0)
+
+
+# ----------------------------------------------------------------------------------
+# Errors and coverage.
+
+
+def _weight_decay_loss():
+  example_losses, params, x, y = _mlp()
+
+  def loss(p, x, y):
+    return jnp.mean(example_losses(p, x, y)) + 1e-3 * jnp.sum(p["w2"] ** 2)
+  return loss, params, x, y
+
+
+def _batch_norm_loss():
+  def loss(p, x):
+    h = x @ p["w"]
+    mean, var = jnp.mean(h, axis=0), jnp.var(h, axis=0)
+    h = (h - mean) * lax.rsqrt(var + 1e-5) * p["bn"]["scale"]
+    return jnp.mean(_sq(h))
+  params = {"w": _normal(1, 5, 3), "bn": {"scale": 1 + _normal(2, 3)}}
+  return loss, params, _normal(3, B, 5, scale=1.0)
+
+
+def test_weight_decay_in_the_loss_is_an_error_naming_the_parameter_and_the_op():
+  loss, params, x, y = _weight_decay_loss()
+  with pytest.raises(ValueError, match=r"clipped_grad: parameter 'w2' .* (mul|add) .*"
+                                       r"no batch axis"):
+    gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x, y)
+  records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x, y)
+  with pytest.raises(ValueError, match=r"per_example_norms: parameter 'w2'.*"
+                                       r"layer_coverage"):
+    gl.per_example_norms(records)
+
+
+def test_batch_norm_is_an_error_naming_the_parameter_and_the_op():
+  loss, params, x = _batch_norm_loss()
+  with pytest.raises(ValueError, match=r"parameter 'bn.scale' .* mul .* mixes examples"):
+    gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
+
+
+def test_mismatched_batch_axis_is_an_error():
+  example_losses, params, x, y = _mlp()
+  loss = _batch_loss(example_losses)
+  message = (r"record_layers: the batch arguments' leaves must all have the batch as their "
+             r"leading axis, of one size; got shapes \[\(4, 5\), \(3, 2\)\]. Name the "
+             r"arguments that hold the batch with batch_argnums")
+  with pytest.raises(ValueError, match=message):
+    gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x, y[:3])
+  with pytest.raises(ValueError, match=message):
+    gl.record_layers(loss)(params, x, y[:3])
+  with pytest.raises(ValueError, match=r"layer_coverage: the batch arguments' leaves"):
+    gl.layer_coverage(loss, params, x, y[:3])
+
+
+def test_layer_coverage_lists_covered_uncovered_and_unused_parameters():
+  loss, params, x = _batch_norm_loss()
+  params = {**params, "unused": jnp.zeros(3), "lora": {"a": _normal(4, 5, 2),
+                                                       "b": _normal(5, 2, 3)}}
+
+  def with_lora(p, x):
+    return loss({"w": p["w"] + p["lora"]["a"] @ p["lora"]["b"], "bn": p["bn"]}, x)
+
+  coverage = gl.layer_coverage(with_lora, params, x)
+  assert list(coverage.params) == ["bn.scale", "lora.a", "lora.b", "unused", "w"]
+  assert coverage.uncovered == ["bn.scale"]
+  assert coverage.unused == ["unused"]
+  assert coverage.batch_size == B
+  bn = coverage.params["bn.scale"]
+  assert not bn.covered and bn.shape == (3,) and bn.method == ""
+  assert [u.kind for u in bn.uses] == ["unsupported"]
+  assert "mixes examples" in bn.uses[0].reason and "mul" in bn.uses[0].where
+  w = coverage.params["w"]
+  assert w.covered and [u.kind for u in w.uses] == ["dense"]
+  assert w.method == "materialized" and "function of parameters" in w.note
+  assert coverage.params["lora.a"].uses == w.uses  # One use of `w + a @ b`.
+  assert coverage.params["unused"].covered and coverage.params["unused"].uses == ()
+  table = str(coverage)
+  lines = table.splitlines()
+  assert lines[0].split() == ["parameter", "shape", "uses", "method", "MACs", "MiB", "note"]
+  assert [line.split()[0] for line in lines[1:6]] == list(coverage.params)
+  assert "1 not covered" in lines[-1]
+
+
+KINDS = {
+    "attention_3d_kernels": {"query.kernel": "dense", "query.bias": "elementwise",
+                             "key.kernel": "dense", "value.kernel": "dense",
+                             "out.kernel": "dense", "out.bias": "elementwise"},
+    "conv_depthwise": {"kernel": "conv", "bias": "elementwise"},
+    "embed_scalar_index_under_vmap": {"table": "embed"},
+    "embed_take_with_bias_and_dense": {"table": "embed", "bias": "elementwise",
+                                       "w": "dense"},
+    "tied_embedding_output_projection": {"embed": "embed,dense", "w": "dense"},
+    "parameters_broadcast_to_the_output": {"w": "dense", "b": "elementwise",
+                                           "gain": "elementwise", "pos": "elementwise"},
+    "generic_uses": {"cls": "elementwise", "gate": "generic", "prefix": "elementwise",
+                     "columns": "generic"},
+    "lora_and_weight_norm": {"lora.w": "dense", "lora.a": "dense", "lora.b": "dense",
+                             "wn.v": "dense", "wn.g": "dense"},
+}
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_layer_coverage_kinds(name):
+  """The kind of every use, as `gl.layer_coverage` reports it."""
+  loss, params, batch = _case(name)
+  coverage = gl.layer_coverage(loss, params, *batch)
+  kinds = {path: ",".join(u.kind for u in c.uses) for path, c in coverage.params.items()}
+  assert kinds == KINDS[name]
+  assert coverage.uncovered == [] and coverage.unused == []
+
+
+def test_layer_coverage_of_a_covered_model_matches_the_methods_used():
+  loss, params, batch = _case("attention_3d_kernels")
+  coverage = gl.layer_coverage(loss, params, *batch)
+  assert coverage.uncovered == [] and coverage.unused == []
+  norms = found(loss, params, *batch).norms
+  assert {p: c.method for p, c in coverage.params.items()} == norms.method
+  assert all(c.macs > 0 and c.floats > 0 for c in coverage.params.values())
