@@ -21,21 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import oryx_gradlog as gl
+from oryx_gradlog.record._record_layers import path_name  # Names: tested literally elsewhere.
 
 REL_ERR = 1e-5
-
-
-def path_name(path) -> str:
-  """A tree path joined by dots, without a trailing `value` (an NNX variable's)."""
-  parts = []
-  for entry in path:
-    for field in ("key", "name", "idx"):
-      if hasattr(entry, field):
-        parts.append(str(getattr(entry, field)))
-        break
-  if len(parts) > 1 and parts[-1] in ("value", "raw_value"):
-    parts.pop()
-  return ".".join(parts)
 
 
 def _positions(n_args: int, argnums, batch_argnums) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -154,7 +142,7 @@ jax.tree_util.register_dataclass(Found, data_fields=["norms", "clipped"], meta_f
 def check_found(loss: Callable, *args, reduction: str = "mean", method: str = "auto",
                 argnums=0, batch_argnums=None, names: Sequence[str] | None = None,
                 tol: float = REL_ERR, wrap: Callable = jax.jit,
-                reference_args: tuple | None = None) -> Found:
+                reference_args: tuple | None = None, grads: Any = None) -> Found:
   """Checks per-example norms (per parameter path and total) and the clipped
   gradient of `gl.record_layers(loss)` against `vmap(grad)`.
 
@@ -165,12 +153,14 @@ def check_found(loss: Callable, *args, reduction: str = "mean", method: str = "a
       but a leaf whose gradient is zero may be missing: it has no use).
     reference_args: other arguments for the true computation (e.g. parameters cast
       to float32 where the library gets a lower precision).
+    grads: the per-example gradients, where the caller has them already.
 
   Returns:
     The library's results, for further checks.
   """
-  grads = per_example_grads(loss, *(reference_args or args), argnums=argnums,
-                            batch_argnums=batch_argnums)
+  if grads is None:
+    grads = per_example_grads(loss, *(reference_args or args), argnums=argnums,
+                              batch_argnums=batch_argnums)
   expected_layers, expected_total = norms_of(grads)
   l2_norm_clip = median_clip(grads)
   result = found(loss, *args, reduction=reduction, method=method, argnums=argnums,
@@ -189,10 +179,11 @@ def check_found(loss: Callable, *args, reduction: str = "mean", method: str = "a
 
 
 def check_clipped_grad(loss: Callable, *args, reduction: str = "mean", argnums=0,
-                       batch_argnums=None, tol: float = REL_ERR) -> None:
+                       batch_argnums=None, tol: float = REL_ERR, grads: Any = None) -> None:
   """Checks `gl.clipped_grad(loss)` (under `jit`, with its norms) against `vmap(grad)`
-  and clipping."""
-  grads = per_example_grads(loss, *args, argnums=argnums, batch_argnums=batch_argnums)
+  and clipping (`grads`: the per-example gradients, where the caller has them)."""
+  if grads is None:
+    grads = per_example_grads(loss, *args, argnums=argnums, batch_argnums=batch_argnums)
   l2_norm_clip = median_clip(grads)
   clipped, norms = jax.jit(gl.clipped_grad(
       loss, l2_norm_clip=l2_norm_clip, reduction=reduction, argnums=argnums,

@@ -16,7 +16,7 @@ The record names must be the parameter paths.
 import jax
 import jax.numpy as jnp
 import pytest
-from per_example import check_clipped_grad, check_found
+from per_example import check_clipped_grad, check_found, per_example_grads
 
 import oryx_gradlog as gl
 
@@ -51,9 +51,10 @@ def _check(per_example, params, batch, names):
   every stock layer's parameters are used by a layer kind with a closed form (no
   generic use)."""
   mean, total = _losses(per_example)
-  result = check_found(mean, params, *batch, names=names)
+  grads = per_example_grads(mean, params, *batch)  # The same for both losses.
+  result = check_found(mean, params, *batch, names=names, grads=grads)
   assert set(result.norms.layers) == set(names)
-  check_clipped_grad(total, params, *batch, reduction="sum")
+  check_clipped_grad(total, params, *batch, reduction="sum", grads=grads)
   coverage = gl.layer_coverage(mean, params, *batch)
   kinds = {path: {u.kind for u in c.uses} for path, c in coverage.params.items()}
   assert all(k and k <= {"dense", "conv", "embed", "elementwise"} for k in kinds.values()), (

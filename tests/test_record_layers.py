@@ -325,20 +325,41 @@ def _soft_gate_jvp(primals, tangents):
   return _soft_gate(x, w), dx * (s + x * ds * w) + dw * x * x * ds
 
 
+@jax.custom_vjp
+def _signed_scale(x, w):
+  """`x * w`, whose backward pass passes `x` the cotangent times `sign(w)` only (a
+  custom_vjp; linear in the cotangent, as a backward pass must be for per-example
+  gradients to come from the batch's)."""
+  return x * w
+
+
+def _signed_scale_fwd(x, w):
+  return x * w, (x, w)
+
+
+def _signed_scale_bwd(residuals, g):
+  x, w = residuals
+  gw = jnp.sum(g * x, axis=tuple(range(g.ndim - w.ndim)))
+  return g * jnp.sign(w), gw
+
+
+_signed_scale.defvjp(_signed_scale_fwd, _signed_scale_bwd)
+
+
 @model
 def generic_uses():
-  """Uses with no Gram form: a column gather and a custom_jvp function of data and a
-  parameter (generic); a class token broadcast to the batch and a parameter entering
-  a cumulative sum with the data (element-wise)."""
+  """Uses with no Gram form: a column gather and custom_jvp and custom_vjp functions
+  of data and a parameter (generic); a class token broadcast to the batch and a
+  parameter entering a cumulative sum with the data (element-wise)."""
   def per_example(p, x, ids):
     cls = jnp.broadcast_to(p["cls"], (x.shape[0], 1, x.shape[2]))
     h = jnp.concatenate([cls, x], axis=1)  # (B, T + 1, d)
-    h = _soft_gate(h, p["gate"])
+    h = _signed_scale(_soft_gate(h, p["gate"]), p["scale"])
     h = jnp.cumsum(jnp.concatenate([h, p["prefix"] + 0 * h[:, :1]], axis=1), axis=1)
     columns = p["columns"][:, ids]  # (d, B)
     return _sq(h) + jnp.sum(columns.T ** 2, axis=1)
   params = {"cls": _normal(1, 1, 4), "gate": _normal(2, 4), "prefix": _normal(3, 1, 4),
-            "columns": _normal(4, 3, 5)}
+            "columns": _normal(4, 3, 5), "scale": 1 + _normal(5, 4)}
   return per_example, params, (_normal(5, B, 3, 4, scale=1.0), jnp.array([1, 4, 1, 0]))
 
 
@@ -421,8 +442,8 @@ def test_sum_loss(name):
 
 
 METHOD_MODELS = ["attention_3d_kernels", "dot_general_batch_dims_per_head",
-                 "conv_nhwc_stride2_same", "conv_feature_groups", "embed_index_repeated_ids",
-                 "scan_over_stacked_layers_with_views", "tied_embedding_output_projection"]
+                 "conv_feature_groups", "embed_index_repeated_ids",
+                 "scan_over_stacked_layers_with_views"]
 
 
 @pytest.mark.parametrize("method", ["gram", "materialized"])
@@ -434,8 +455,7 @@ def test_gram_and_materialized_methods(name, method):
   # weights and functions of parameters are always materialised.
   methods = result.norms.method
   assert set(methods.values()) <= {method, "materialized"}
-  if name != "tied_embedding_output_projection":
-    assert method in methods.values(), methods
+  assert method in methods.values(), methods
 
 
 def test_auto_method_chooses_by_multiply_adds_and_memory():
@@ -453,12 +473,16 @@ def test_auto_method_chooses_by_multiply_adds_and_memory():
 
 
 def test_parameter_cast_from_bfloat16():
-  """A bfloat16 parameter cast to float32 before its use: norms in float32 from the
-  float32 cotangents (the reference differentiates a float32 copy)."""
+  """bfloat16 parameters cast to float32 before their use, one of them stacked and
+  sliced by a scan over layers: norms in float32 from the float32 cotangents (the
+  reference differentiates a float32 copy), clipped gradients in bfloat16."""
   def per_example(p, x):
-    return _sq(x @ p["w"].astype(jnp.float32) + p["b"])
-  params = {"w": _normal(1, 5, 3).astype(jnp.bfloat16), "b": _normal(2, 3)}
-  reference = {"w": params["w"].astype(jnp.float32), "b": params["b"]}
+    h = jnp.tanh(x @ p["w"].astype(jnp.float32) + p["b"])
+    h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w.astype(jnp.float32)), None), h, p["stack"])
+    return _sq(h)
+  params = {"w": _normal(1, 5, 3).astype(jnp.bfloat16), "b": _normal(2, 3),
+            "stack": _normal(4, 2, 3, 3).astype(jnp.bfloat16)}
+  reference = jax.tree.map(lambda a: a.astype(jnp.float32), params)
   x = _normal(3, B, 5, scale=1.0)
   loss = _batch_loss(per_example)
   grads = per_example_grads(loss, reference, x)
@@ -467,7 +491,7 @@ def test_parameter_cast_from_bfloat16():
   for name in expected:
     assert_norms_close(result.norms.layers[name], expected[name], what=name)
   assert_norms_close(result.norms.total, total)
-  assert result.clipped["w"].dtype == jnp.bfloat16
+  assert result.clipped["w"].dtype == result.clipped["stack"].dtype == jnp.bfloat16
   assert_rel_err(result.clipped, clip(grads, median_clip(grads), "mean"), tol=1e-2)
 
 
@@ -665,6 +689,21 @@ def test_batch_norm_is_an_error_naming_the_parameter_and_the_op():
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "Coupling is detected only where a parameter's use takes a value that mixes "
+    "examples; a parameter-free batch centring (or batch norm without scale and "
+    "offset, or a contrastive loss) after the last use mixes the uses' output "
+    "cotangents, and per_example_norms/clipped_grad return numbers that are not "
+    "vmap(grad)'s, with no error and layer_coverage saying covered"))
+def test_examples_mixed_after_the_last_use_is_an_error():
+  def loss(p, x):
+    h = x @ p["w"]
+    return jnp.mean(jnp.sum((h - jnp.mean(h, axis=0)) ** 2, axis=-1))
+  params, x = {"w": _normal(1, 3, 2)}, _normal(2, B, 3, scale=1.0)
+  with pytest.raises(ValueError, match=r"parameter 'w'.*mixes examples"):
+    gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
+
+
 def test_mismatched_batch_axis_is_an_error():
   example_losses, params, x, y = _mlp()
   loss = _batch_loss(example_losses)
@@ -720,7 +759,7 @@ KINDS = {
     "parameters_broadcast_to_the_output": {"w": "dense", "b": "elementwise",
                                            "gain": "elementwise", "pos": "elementwise"},
     "generic_uses": {"cls": "elementwise", "gate": "generic", "prefix": "elementwise",
-                     "columns": "generic"},
+                     "columns": "generic", "scale": "generic"},
     "lora_and_weight_norm": {"lora.w": "dense", "lora.a": "dense", "lora.b": "dense",
                              "wn.v": "dense", "wn.g": "dense"},
 }
