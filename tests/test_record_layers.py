@@ -689,19 +689,17 @@ def test_batch_norm_is_an_error_naming_the_parameter_and_the_op():
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Coupling is detected only where a parameter's use takes a value that mixes "
-    "examples; a parameter-free batch centring (or batch norm without scale and "
-    "offset, or a contrastive loss) after the last use mixes the uses' output "
-    "cotangents, and per_example_norms/clipped_grad return numbers that are not "
-    "vmap(grad)'s, with no error and layer_coverage saying covered"))
 def test_examples_mixed_after_the_last_use_is_an_error():
+  """A parameter-free batch centring after the last use (as batch norm without scale
+  and offset, or a contrastive loss) leaves no per-example gradient."""
   def loss(p, x):
     h = x @ p["w"]
     return jnp.mean(jnp.sum((h - jnp.mean(h, axis=0)) ** 2, axis=-1))
   params, x = {"w": _normal(1, 3, 2)}, _normal(2, B, 3, scale=1.0)
-  with pytest.raises(ValueError, match=r"parameter 'w'.*mixes examples"):
+  with pytest.raises(ValueError, match=r"clipped_grad: parameter 'w' .* dot_general .* the "
+                                       r"function's output mixes examples at sub"):
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
+  assert gl.layer_coverage(loss, params, x).uncovered == ["w"]
 
 
 def test_mismatched_batch_axis_is_an_error():
@@ -719,22 +717,23 @@ def test_mismatched_batch_axis_is_an_error():
 
 
 def test_layer_coverage_lists_covered_uncovered_and_unused_parameters():
-  loss, params, x = _batch_norm_loss()
-  params = {**params, "unused": jnp.zeros(3), "lora": {"a": _normal(4, 5, 2),
-                                                       "b": _normal(5, 2, 3)}}
-
-  def with_lora(p, x):
-    return loss({"w": p["w"] + p["lora"]["a"] @ p["lora"]["b"], "bn": p["bn"]}, x)
-
-  coverage = gl.layer_coverage(with_lora, params, x)
-  assert list(coverage.params) == ["bn.scale", "lora.a", "lora.b", "unused", "w"]
-  assert coverage.uncovered == ["bn.scale"]
+  """A LoRA layer (covered), a weight-decayed head (not covered), a parameter that
+  never meets the batch (unused), and batch norm (nothing covered)."""
+  def loss(p, x):
+    h = jnp.tanh(x @ (p["w"] + p["lora"]["a"] @ p["lora"]["b"]))
+    return jnp.mean(_sq(h @ p["head"])) + 1e-3 * jnp.sum(p["head"] ** 2)
+  params = {"w": _normal(1, 5, 3), "lora": {"a": _normal(2, 5, 2), "b": _normal(3, 2, 3)},
+            "head": _normal(4, 3, 2), "unused": jnp.zeros(3)}
+  x = _normal(5, B, 5, scale=1.0)
+  coverage = gl.layer_coverage(loss, params, x)
+  assert list(coverage.params) == ["head", "lora.a", "lora.b", "unused", "w"]
+  assert coverage.uncovered == ["head"]
   assert coverage.unused == ["unused"]
   assert coverage.batch_size == B
-  bn = coverage.params["bn.scale"]
-  assert not bn.covered and bn.shape == (3,) and bn.method == ""
-  assert [u.kind for u in bn.uses] == ["unsupported"]
-  assert "mixes examples" in bn.uses[0].reason and "mul" in bn.uses[0].where
+  head = coverage.params["head"]
+  assert not head.covered and head.shape == (3, 2) and head.method == ""
+  assert [u.kind for u in head.uses] == ["dense", "unsupported"]
+  assert "no batch axis" in head.uses[1].reason and "add" in head.uses[1].where
   w = coverage.params["w"]
   assert w.covered and [u.kind for u in w.uses] == ["dense"]
   assert w.method == "materialized" and "function of parameters" in w.note
@@ -745,6 +744,11 @@ def test_layer_coverage_lists_covered_uncovered_and_unused_parameters():
   assert lines[0].split() == ["parameter", "shape", "uses", "method", "MACs", "MiB", "note"]
   assert [line.split()[0] for line in lines[1:6]] == list(coverage.params)
   assert "1 not covered" in lines[-1]
+
+  loss, params, x = _batch_norm_loss()
+  coverage = gl.layer_coverage(loss, params, x)
+  assert coverage.uncovered == ["bn.scale", "w"]
+  assert all("mixes examples" in c.note for c in coverage.params.values())
 
 
 KINDS = {
