@@ -160,11 +160,12 @@ class Chain:
     keys: per input, where the interpreter finds its value (`(invocation, var)`).
     inputs: per input, its `Lineage` (a view of a parameter leaf) or `None` (a
       constant).
-    eqns: the equations, in an order that computes `target` from the inputs.
-    target: the variable the chain computes.
+    eqns: `(invocation, equation)` pairs, in an order that computes `target` from
+      the inputs (one jitted function called twice has its equations twice).
+    target: the value the chain computes, `(invocation, var)`.
     crossed: whether the chain was computed outside the scan, cond or remat body
       that uses it (its inputs are then out of reach there).
-    aliases: `(var, var it stands for)` pairs where the chain crosses a `jit`
+    aliases: `(value, value it stands for)` pairs where the chain crosses a `jit`
       boundary (a body's input and its argument, an equation's output and the
       body's result).
   """
@@ -177,26 +178,29 @@ class Chain:
   aliases: tuple = ()
 
   def __call__(self, *values):
-    env = {key[1]: value for key, value in zip(self.keys, values)}
+    env = dict(zip(self.keys, values))
     alias = dict(self.aliases)
 
-    def read(v):
+    def read(invocation, v):
       if isinstance(v, jax.extend.core.Literal):
         return v.val
-      while v not in env and v in alias:
-        v = alias[v]
-      return env[v]
+      key = (invocation, v)
+      while key not in env and key in alias:
+        key = alias[key]
+      return env[key]
 
-    for eqn in self.eqns:
-      outs = _internals.bind_eqn(eqn.primitive, eqn.params, [read(v) for v in eqn.invars])
-      env.update(zip(eqn.outvars, outs))
-    return read(self.target)
+    for invocation, eqn in self.eqns:
+      outs = _internals.bind_eqn(eqn.primitive, eqn.params,
+                                 [read(invocation, v) for v in eqn.invars])
+      env.update(((invocation, v), out) for v, out in zip(eqn.outvars, outs))
+    return read(*self.target)
 
-  def renamed(self, var) -> Chain:
-    """The chain with its value known as `var` (across a `jit` boundary)."""
-    if var is self.target:
+  def renamed(self, key) -> Chain:
+    """The chain with its value known as `key`, `(invocation, var)` (across a `jit`
+    boundary)."""
+    if key == self.target:
       return self
-    return dataclasses.replace(self, target=var, aliases=self.aliases + ((var, self.target),))
+    return dataclasses.replace(self, target=key, aliases=self.aliases + ((key, self.target),))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -460,11 +464,11 @@ def _chain_of(invocation, eqn, ins, target) -> Chain:
     if isinstance(info.lineage, Chain):
       for key, lineage in zip(info.lineage.keys, info.lineage.inputs):
         keys.setdefault(key, lineage)
-      eqns.update((id(e), e) for e in info.lineage.eqns)
+      eqns.update(((i, id(e)), (i, e)) for i, e in info.lineage.eqns)
       aliases.update(info.lineage.aliases)
     else:
       keys.setdefault((invocation, var), info.lineage if info.is_param else None)
-  eqns[id(eqn)] = eqn
+  eqns[(invocation, id(eqn))] = (invocation, eqn)
   return Chain(tuple(keys), tuple(keys.values()), tuple(eqns.values()), target,
                aliases=tuple(aliases.items()))
 
@@ -491,7 +495,7 @@ def _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
       return [dataclasses.replace(ins[0], lineage=ins[0].lineage.then(step))]
     analysis.mark(path)
     base = _join(ins)
-    return [dataclasses.replace(base, lineage=_chain_of(invocation, eqn, ins, v))
+    return [dataclasses.replace(base, lineage=_chain_of(invocation, eqn, ins, (invocation, v)))
             for v in eqn.outvars]
   elif param_args:  # Parameters meet data with no batch axis.
     analysis.add_use(path, _Use(
@@ -607,10 +611,11 @@ def _with_batches(outs, batches):
   return [dataclasses.replace(o, batch=b) for o, b in zip(outs, batches)]
 
 
-def _renamed(info: Info, var) -> Info:
-  """`info` of a value that a `jit` boundary renames to `var` (chains follow)."""
+def _renamed(info: Info, invocation, var) -> Info:
+  """`info` of a value that a `jit` boundary renames to `var` in `invocation` (chains
+  follow)."""
   if isinstance(info.lineage, Chain) and isinstance(var, jax.extend.core.Var):
-    return dataclasses.replace(info, lineage=info.lineage.renamed(var))
+    return dataclasses.replace(info, lineage=info.lineage.renamed((invocation, var)))
   return info
 
 
@@ -618,8 +623,8 @@ def _jit(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
   """A `jit` body is looked into as if inlined (and inlined where it holds uses)."""
   body = eqn.params["jaxpr"].jaxpr
   outs = analysis.run(body, eqn2.params["jaxpr"].jaxpr,
-                      [_renamed(i, v) for i, v in zip(ins, body.invars)], path, calls)
-  outs = [_renamed(o, v) for o, v in zip(outs, eqn.outvars)]
+                      [_renamed(i, path, v) for i, v in zip(ins, body.invars)], path, calls)
+  outs = [_renamed(o, invocation, v) for o, v in zip(outs, eqn.outvars)]
   return _with_batches(outs, batches)
 
 
