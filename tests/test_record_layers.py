@@ -305,6 +305,17 @@ def lora_and_weight_norm():
 
 
 @model
+def jitted_function_of_parameters_called_twice():
+  """One jitted weight normalisation applied to two parameters, summed into one
+  weight: the same jaxpr equations in two invocations of one chain."""
+  normalize = jax.jit(lambda v: v / jnp.linalg.norm(v, axis=0, keepdims=True))
+
+  def per_example(p, x):
+    return _sq(x @ (normalize(p["a"]) + 2 * normalize(p["b"])))
+  return per_example, {"a": _normal(1, 4, 3), "b": _normal(2, 4, 3)}, (_normal(3, B, 4),)
+
+
+@model
 def tied_weight_used_twice():
   def per_example(p, x):
     return _sq(jnp.tanh(x @ p["w"] + p["b"]) @ p["w"] + p["b"])
