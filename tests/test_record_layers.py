@@ -570,7 +570,8 @@ def test_sharded_jit_over_eight_devices():
 
 
 def _mlp():
-  per_example, params, (x,) = dense_vector()
+  """A regression MLP: per-example losses of `(params, x, y)`, params, x and y."""
+  _, params, (x,) = dense_vector()
   y = _normal(11, B, 2, scale=1.0)
 
   def example_losses(p, x, y):
