@@ -631,6 +631,10 @@ def _jit(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
 def _remat(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
   outs = analysis.run(eqn.params["jaxpr"], eqn2.params["jaxpr"],
                       [_cross(i, None) for i in ins], path, calls)
+  # A function of parameters made in the body is, outside it, the whole remat call
+  # (the body's own values live in the checkpoint's trace).
+  outs = [dataclasses.replace(o, lineage=_chain_of(invocation, eqn, ins, (invocation, v)))
+          if isinstance(o.lineage, Chain) else o for o, v in zip(outs, eqn.outvars)]
   return _with_batches(outs, batches)
 
 
