@@ -316,6 +316,20 @@ def jitted_function_of_parameters_called_twice():
 
 
 @model
+def function_of_parameters_made_in_a_checkpoint():
+  """A weight normalised inside a `jax.checkpoint` block, used there and after it."""
+  @jax.checkpoint
+  def block(h, v, g):
+    w = g * v / jnp.linalg.norm(v, axis=0, keepdims=True)
+    return jnp.tanh(h @ w), w
+
+  def per_example(p, x):
+    h, w = block(x, p["v"], p["g"])
+    return _sq(h @ w.T)
+  return per_example, {"v": _normal(1, 4, 4), "g": 1 + _normal(2, 4)}, (_normal(3, B, 4),)
+
+
+@model
 def tied_weight_used_twice():
   def per_example(p, x):
     return _sq(jnp.tanh(x @ p["w"] + p["b"]) @ p["w"] + p["b"])
