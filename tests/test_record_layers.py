@@ -731,13 +731,15 @@ def test_examples_mixed_after_the_last_use_is_an_error():
 def test_mismatched_batch_axis_is_an_error():
   example_losses, params, x, y = _mlp()
   loss = _batch_loss(example_losses)
-  message = (r"record_layers: the batch arguments' leaves must all have the batch as their "
+  message = (r": the batch arguments' leaves must all have the batch as their "
              r"leading axis, of one size; got shapes \[\(4, 5\), \(3, 2\)\]. Name the "
              r"arguments that hold the batch with batch_argnums")
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(ValueError, match="clipped_grad" + message):
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x, y[:3])
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(ValueError, match="record_layers" + message):
     gl.record_layers(loss)(params, x, y[:3])
+  with pytest.raises(ValueError, match=r"clipped_grad\(l2_norm_clip=.*positive Python number"):
+    jax.jit(lambda c: gl.clipped_grad(loss, l2_norm_clip=c)(params, x, y))(1.0)
   with pytest.raises(ValueError, match=r"layer_coverage: the batch arguments' leaves"):
     gl.layer_coverage(loss, params, x, y[:3])
 

@@ -524,7 +524,8 @@ def _classify(eqn, ins, batches, param_args, calls, coupled) -> _Use:
     reason = ("its output mixes examples (a value reduced over the batch, or an axis "
               "that is not the batch's), so it has no per-example gradient")
   elif any(l is None for l in lineages):
-    reason = "it takes a function of parameters carried through a loop"
+    reason = ("it takes a function of parameters carried through a loop or returned by "
+              "a cond; compute it where it is used")
   elif any(c.crossed for c in chains):
     reason = ("it takes a function of parameters computed outside the scan, cond or "
               "remat it is in; compute it inside (views such as reshapes and casts "
@@ -1047,7 +1048,12 @@ def record_layers(
     >>> sorted(records), records["w"].primals[0].kind, records["b"].primals[0].kind
     (['b', 'w'], 'dense', 'elementwise')
   """
-  api = "record_layers"
+  return recorder(fun, argnums=argnums, batch_argnums=batch_argnums, tag=tag,
+                  api="record_layers")
+
+
+def recorder(fun, *, argnums, batch_argnums, tag, api) -> Callable[..., Any]:
+  """`record_layers` for the public function `api` (whose name its errors give)."""
   cache: dict = {}
 
   @functools.wraps(fun)

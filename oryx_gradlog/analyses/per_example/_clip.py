@@ -34,6 +34,12 @@ Sharp edges:
     weight-decay term in the loss, batch norm) is an error that names it.
   * A parameter that no use reads (it never meets the batch) gets a zero gradient
     from `clipped_grad`; `gl.layer_coverage` lists such parameters.
+  * `l2_norm_clip` is a Python number (static, as in jax-privacy); a new value
+    compiles a new step.
+  * A `custom_vjp` whose backward pass is not linear in its cotangent (a clipping
+    or rounding backward pass) gives per-example gradients that differ from
+    `vmap(grad)`'s: the backward pass sees each example's cotangent scaled by the
+    loss's `1/B` and summed with the others', not alone.
   * Calls of one name under `scan` have their own weights: results have the call
     axes in front, like the stacked weights. Pass `tied=(name,)` for calls that
     share one weight; their gradients are summed over the calls.
@@ -54,6 +60,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.analyses.curvature._curvature import LayerParams
@@ -258,10 +265,16 @@ def clipped_grads(
                   reduction=reduction, names=names, tied=tied, method=method)
 
 
-def _clipped(api, records, *, l2_norm_clip, reduction, names, tied, method):
-  if not l2_norm_clip > 0:
+def check_clip(api: str, l2_norm_clip: Any) -> None:
+  if isinstance(l2_norm_clip, jax.core.Tracer) or not isinstance(
+      l2_norm_clip, (int, float, np.number)) or not l2_norm_clip > 0:
     raise ValueError(
-        f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
+        f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive Python "
+        "number (it is static: a new value compiles a new step).")
+
+
+def _clipped(api, records, *, l2_norm_clip, reduction, names, tied, method):
+  check_clip(api, l2_norm_clip)
   squares, _, selection, sizes = _ghost.squared_norms(
       api, records, reduction=reduction, names=names, tied=tied, method=method,
       kinds=_ghost.NORM_KINDS)
@@ -325,14 +338,12 @@ def clipped_grad(
     Array([[1.5]], dtype=float32)
   """
   from oryx_gradlog.record._reap import call_and_reap  # pylint: disable=g-import-not-at-top
-  from oryx_gradlog.record._record_layers import record_layers  # pylint: disable=g-import-not-at-top
+  from oryx_gradlog.record._record_layers import recorder  # pylint: disable=g-import-not-at-top
   api = "clipped_grad"
-  if not l2_norm_clip > 0:
-    raise ValueError(
-        f"{api}(l2_norm_clip={l2_norm_clip!r}): the clip norm must be a positive number.")
+  check_clip(api, l2_norm_clip)
   _ghost.check_reduction(api, reduction)
-  recorded = record_layers(fun, argnums=argnums, batch_argnums=batch_argnums,
-                           tag=_CLIP_TAG)
+  recorded = recorder(fun, argnums=argnums, batch_argnums=batch_argnums, tag=_CLIP_TAG,
+                      api=api)
   grad = call_and_reap(jax.grad(recorded, argnums=argnums, has_aux=has_aux), tag=_CLIP_TAG)
 
   @functools.wraps(fun)

@@ -184,8 +184,8 @@ def layer_coverage(
   if method not in ("auto", _ghost.GRAM, _ghost.MATERIALIZED):
     raise ValueError(f"{api}(method={method!r}): method must be 'auto', 'gram' or "
                      "'materialized'.")
-  recorded = _record_layers.record_layers(fun, argnums=argnums,
-                                          batch_argnums=batch_argnums, tag=_TAG)
+  recorded = _record_layers.recorder(fun, argnums=argnums, batch_argnums=batch_argnums,
+                                     tag=_TAG, api=api)
   signature = _record_layers.Signature(api, args, kwargs, argnums, batch_argnums)
   grad = reap(jax.grad(recorded, argnums=argnums, has_aux=has_aux), tag=_TAG)
   rows: dict[str, dict[str, Any]] = {}
