@@ -435,21 +435,34 @@ class FoundUse:
       return self.spec.apply(ops)
     return apply
 
-  def _example_weights(self, c, g):
-    """`c` (B,) shaped to multiply the per-call `g` along its batch axis."""
-    axis, factor = self.spec.out_batch
+  def _example_weights(self, c, a, batch):
+    """`c` (B,) shaped to multiply the per-call `a` along its batch axis `batch`."""
+    axis, factor = batch
     c = jnp.repeat(c, factor) if factor > 1 else c
-    shape = [1] * g.ndim
+    shape = [1] * a.ndim
     shape[axis] = -1
-    return c.reshape(shape).astype(g.dtype)
+    return c.reshape(shape).astype(a.dtype)
 
   def weighted(self, c: jax.Array) -> tuple:
     """Per parameter operand, `sum_i c_i (dl_i/dy_i) dy_i/dw` (the recorded loss's
-    scale), `(*calls, *w)`: the operation's vjp at the cotangent `c g`."""
+    scale), `(*calls, *w)`: the operation's vjp at the cotangent `c g`.
+
+    A dense or convolution use is linear in its data operand too, so `c` scales
+    whichever of the data operand and `g` is smaller (`sum_i c_i x_i^T g_i =
+    (c x)^T g`); uses that read one input (query, key and value) then scale one copy.
+    """
+    x_arg = {FOUND_DENSE: 1 - self.spec.param_args[0], FOUND_CONV: 0}.get(self.spec.kind)
+
     def fn(operands, g, _):
       ws = [operands[i] for i in self.spec.param_args]
+      if x_arg is not None and jnp.size(operands[x_arg]) <= jnp.size(g):
+        operands = list(operands)
+        x = operands[x_arg]
+        operands[x_arg] = self._example_weights(c, x, self.spec.batch[x_arg]) * x
+        _, vjp = jax.vjp(self._of_w(operands), *ws)
+        return vjp(g)
       _, vjp = jax.vjp(self._of_w(operands), *ws)
-      return vjp(self._example_weights(c, g) * g)
+      return vjp(self._example_weights(c, g, self.spec.out_batch) * g)
     return self._per_call(fn)
 
   def products(self, directions: Sequence[jax.Array]) -> jax.Array:
