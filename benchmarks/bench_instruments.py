@@ -220,6 +220,11 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
   economy_every = steps(every)[1]
   donated = jax.jit(economy_every, static_argnames="phase", donate_argnums=(0, 1))
   plain_donated = jax.jit(plain, donate_argnums=0)
+  # Economy without its 1-D gradient histogram, which forms every per-example gradient.
+  lean = gl.training_instruments(
+      tuple(n for n in gl.analyses.instruments._cockpit.PRESETS["economy"]  # pylint: disable=protected-access
+            if n != "grad_hist_1d"), every=EVERY)
+  lean_donated = jax.jit(steps(lean)[1], static_argnames="phase", donate_argnums=(0, 1))
   # Two sets of interleaved rounds, so that the curvature variants (tens of steps
   # each) do not thin out the rounds of the step variants.
   step_variants = {
@@ -248,6 +253,10 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
           f"{EVERY} steps, economy every {EVERY}th (Python loop, static phases, "
           "params and state donated)",
           _Loop(donated, (_copy(params), every.init(params)), x, target, every.phase), ()),
+      "lean_loop": h.Variant(
+          f"{EVERY} steps, economy without grad_hist_1d every {EVERY}th (Python loop, "
+          "static phases, params and state donated)",
+          _Loop(lean_donated, (_copy(params), lean.init(params)), x, target, lean.phase), ()),
       "plain_loop_nd": h.Variant(f"{EVERY} plain steps (Python loop, no donation)",
                                  _Loop(jax.jit(plain), (params,), x, target), ()),
       "every_loop_nd": h.Variant(
@@ -272,7 +281,8 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
   comparisons = []
   for name, baseline in (("economy", "plain"), ("economy_10", "plain_10"),
                          ("every_10", "plain_10"), ("static_10", "plain_10u"),
-                         ("every_loop", "plain_loop"), ("every_loop_nd", "plain_loop_nd"),
+                         ("every_loop", "plain_loop"), ("lean_loop", "plain_loop"),
+                         ("every_loop_nd", "plain_loop_nd"),
                          *((name, "plain_s") for name in one),
                          ("hvp", "plain_c"), ("trace", "plain_c"), ("max_eig", "plain_c")):
     target = TARGET if name in ("every_10", "static_10", "every_loop") else None
