@@ -15,7 +15,8 @@ Run:
   python benchmarks/run.py              # full sizes (a few minutes), writes results/
   python benchmarks/run.py --quick      # scaled-down smoke run (under a minute)
   python benchmarks/run.py --device gpu # on a GPU: absolute times, targets not judged
-  python benchmarks/run.py --only 1,3   # some workloads
+  python benchmarks/run.py --only 1,3   # some workloads (a full run of some workloads
+                                        # writes results/DEVICE-jax-VERSION-w1-3.md)
 
 A `--quick` run prints its tables but writes a file only when given `--output`, so
 that a smoke run never replaces the full results.
@@ -38,6 +39,7 @@ import time
 import jax
 
 import _harness as h
+import bench_any_model
 import bench_compile_time
 import bench_disk_stream
 import bench_dp
@@ -63,6 +65,7 @@ WORKLOADS = {
     9: bench_dp,
     10: bench_instruments,
     11: bench_multihost,
+    12: bench_any_model,
 }
 TARGETS = {
     1: "full records <= 1.10 x plain grad",
@@ -75,6 +78,9 @@ TARGETS = {
     9: "one-pass DP-SGD clipped grads <= 1.10 x plain grad (MLP), <= 1.30 x (transformer block)",
     10: ("economy instruments <= 1.10 x a plain training step, read every step and read "
          "every 10th step (`every=10`)"),
+    12: ("stock NNX decoder, no layer marked: record_layers reaped and dropped <= 1.05, "
+         "per-example norms <= 1.30, gl.clipped_grad <= 1.30 x plain grad (time) and <= 1.30 "
+         "x its XLA temp memory; trace+compile of record_layers on 24 blocks <= 1.5 x plain"),
 }
 
 
@@ -227,8 +233,9 @@ def main(argv=None) -> None:
   print("\n".join(_summary_lines(results, numbers)))
   if args.output is not None:
     output = args.output
-  elif not settings.quick:
-    output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}.md"
+  elif not settings.quick:  # Some workloads only: a file of their own, a column of its own.
+    only = "-w" + "-".join(str(n) for n in numbers) if args.only else ""
+    output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}{only}.md"
   else:
     output = None
   if output is not None:
@@ -246,9 +253,12 @@ def main(argv=None) -> None:
 
 
 def _run_order(path: pathlib.Path) -> tuple:
-  """Orders `cpu-jax-0.5.0` before `cpu-jax-0.10.2`, CPU runs before GPU runs."""
+  """Orders `cpu-jax-0.5.0` before `cpu-jax-0.10.2`, CPU runs before GPU runs, a run of
+  all workloads before one of some (`cpu-jax-0.5.0-w12`)."""
   device, _, version = path.stem.partition("-jax-")
-  return (device != "cpu", device, tuple(int(p) for p in version.split(".") if p.isdigit()))
+  version, _, only = version.partition("-")
+  return (device != "cpu", device, tuple(int(p) for p in version.split(".") if p.isdigit()),
+          only)
 
 
 def _as_json(c: h.Comparison) -> dict:
