@@ -9,7 +9,8 @@ writes `benchmarks/results/{cpu,gpu}-jax-VERSION.md` with the machine, the date,
 every variant's time, memory and HLO counts, and for each missed target what the
 HLO says and what would fix it, plus the same ratios as JSON. Then it rewrites
 `benchmarks/RESULTS.md`: the ratios of every JAX version and device in `results/`
-side by side (`make bench` for JAX 0.5.0, `make bench-set SET=jax-0.10.2`).
+side by side (`make bench` for JAX 0.5.0, `make bench-set SET=jax-0.10.2`), keeping
+the hand-written sections below the table (from its first `## ` heading on).
 
 Run:
   python benchmarks/run.py              # full sizes (a few minutes), writes results/
@@ -248,8 +249,17 @@ def main(argv=None) -> None:
     print(f"\nwrote {output} and its .json")
     if args.output is None:
       runs = sorted(output.parent.glob("*.json"), key=_run_order)
-      (HERE / "RESULTS.md").write_text(side_by_side(runs))
+      rewrite_results(HERE / "RESULTS.md", runs)
       print(f"wrote {HERE / 'RESULTS.md'}")
+
+
+def rewrite_results(path: pathlib.Path, runs: list[pathlib.Path]) -> None:
+  """Writes the side-by-side table to `path`, keeping the hand-written sections
+  (everything from its first `## ` heading on: one-off measurements, analyses)."""
+  old = path.read_text() if path.exists() else ""
+  start = old.find("\n## ")
+  kept = "" if start < 0 else "\n" + old[start:].lstrip("\n")
+  path.write_text(side_by_side(runs).rstrip("\n") + "\n" + kept)
 
 
 def _run_order(path: pathlib.Path) -> tuple:

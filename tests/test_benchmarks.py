@@ -85,3 +85,8 @@ def test_results_of_two_jax_versions_are_put_side_by_side(benchmarks, tmp_path):
   table = run.side_by_side(paths)
   assert ("| 4 | summaries | plain grad | <= 1.05 | 1.100x MISSED | 1.300x MISSED | "
           "1.200x MISSED |") in table
+  # Rewriting RESULTS.md keeps the hand-written sections below the table.
+  results = tmp_path / "RESULTS.md"
+  results.write_text("# old table\n\n## One-off measurement\n\nby hand\n")
+  run.rewrite_results(results, paths)
+  assert results.read_text() == table.rstrip("\n") + "\n\n## One-off measurement\n\nby hand\n"
