@@ -43,6 +43,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import pathlib
+import sys
 import time
 
 import jax
@@ -249,6 +250,7 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
     regimes, deep = (QUICK, QUICK_COMPILE) if settings.quick else (FULL, FULL_COMPILE)
   measurements, comparisons = {}, []
   for index, d in enumerate(regimes):
+    print(f"[{NUMBER}] {d} ...", file=sys.stderr, flush=True)
     vs = variants(d)
     check(vs, d)
     m = h.measure(vs, settings)
@@ -270,6 +272,7 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
     if "jax_privacy" in vs:
       comparisons.append(h.compare(NUMBER, m, "jax_privacy", "clipped", None, settings))
     comparisons.append(h.compare(NUMBER, m, "vmap", "clipped", None, settings))
+  print(f"[{NUMBER}] trace+compile, {deep} ...", file=sys.stderr, flush=True)
   m = compile_times(deep, settings)
   measurements.update(m)
   for key in ("record_layers", "clipped"):
