@@ -15,8 +15,9 @@ marked, and there is no `where` map from layers to parameters.
    the per-example gradient norms.
 3. Batches are Poisson-sampled and padded to a fixed size (`gl.poisson_batch`);
    padding examples weigh 0 in the loss. `gl.dp_noise` adds the Gaussian noise in
-   an optax chain before SGD with momentum; `gl.dp_noise_multiplier` picks sigma for a target
-   epsilon and `gl.dp_epsilon` reports the epsilon spent (dp-accounting's RDP).
+   an optax chain before SGD with momentum; `gl.dp_noise_multiplier` picks sigma
+   for a target epsilon and `gl.dp_epsilon` reports the epsilon spent
+   (dp-accounting's RDP).
 4. Every step's per-example norms go to a `gl.RunLog` (zarr, written off the
    training thread).
 
