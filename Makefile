@@ -8,7 +8,7 @@
 # installed from scratch with the exact versions of constraints/$(set).txt.
 #   make test-all              every set
 #   make test-set SET=jax-0.10.2
-#   make bench-set SET=jax-0.10.2
+#   make bench-set SET=jax-0.10.2   (BENCH_ARGS="--only 12": some workloads)
 # Sets on Oryx's main branch install Oryx with --no-deps from the wheel in
 # $(SHARED_ORYX)/COMMIT/ or dist/oryx-COMMIT/ where one exists (CI, machines without
 # GitHub), else from git.
@@ -42,7 +42,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest oryx_gradlog tests -q
 
 bench: $(VENV)/.installed
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints/jax-0.5.0.txt
 	$(MAKE) --no-print-directory .venv-install DIR=$(VENV) SET=jax-0.5.0
@@ -53,8 +53,12 @@ test-all:
 test-set: .venv-$(SET)/.installed
 	.venv-$(SET)/bin/python -m pytest oryx_gradlog tests -q
 
+# Benchmark-only extras per set: the bench-peers extra (jax-privacy 2.0) installs only
+# where JAX >= 0.7.1; elsewhere workload 12 skips it and says so.
+BENCH_EXTRA_jax-0.10.2 = bench-peers
 bench-set: .venv-$(SET)/.installed
-	.venv-$(SET)/bin/python benchmarks/run.py
+	$(if $(BENCH_EXTRA_$(SET)),.venv-$(SET)/bin/python -m pip install --quiet -c constraints/$(SET).txt -e ".[$(BENCH_EXTRA_$(SET))]")
+	.venv-$(SET)/bin/python benchmarks/run.py $(BENCH_ARGS)
 
 .venv-%/.installed: setup.cfg pyproject.toml constraints/%.txt
 	$(MAKE) --no-print-directory .venv-install DIR=.venv-$* SET=$*

@@ -9,13 +9,15 @@ writes `benchmarks/results/{cpu,gpu}-jax-VERSION.md` with the machine, the date,
 every variant's time, memory and HLO counts, and for each missed target what the
 HLO says and what would fix it, plus the same ratios as JSON. Then it rewrites
 `benchmarks/RESULTS.md`: the ratios of every JAX version and device in `results/`
-side by side (`make bench` for JAX 0.5.0, `make bench-set SET=jax-0.10.2`).
+side by side (`make bench` for JAX 0.5.0, `make bench-set SET=jax-0.10.2`), keeping
+the hand-written sections below the table (from its first `## ` heading on).
 
 Run:
   python benchmarks/run.py              # full sizes (a few minutes), writes results/
   python benchmarks/run.py --quick      # scaled-down smoke run (under a minute)
   python benchmarks/run.py --device gpu # on a GPU: absolute times, targets not judged
-  python benchmarks/run.py --only 1,3   # some workloads
+  python benchmarks/run.py --only 1,3   # some workloads (a full run of some workloads
+                                        # writes results/DEVICE-jax-VERSION-w1-3.md)
 
 A `--quick` run prints its tables but writes a file only when given `--output`, so
 that a smoke run never replaces the full results.
@@ -38,6 +40,7 @@ import time
 import jax
 
 import _harness as h
+import bench_any_model
 import bench_compile_time
 import bench_disk_stream
 import bench_dp
@@ -63,6 +66,7 @@ WORKLOADS = {
     9: bench_dp,
     10: bench_instruments,
     11: bench_multihost,
+    12: bench_any_model,
 }
 TARGETS = {
     1: "full records <= 1.10 x plain grad",
@@ -75,6 +79,9 @@ TARGETS = {
     9: "one-pass DP-SGD clipped grads <= 1.10 x plain grad (MLP), <= 1.30 x (transformer block)",
     10: ("economy instruments <= 1.10 x a plain training step, read every step and read "
          "every 10th step (`every=10`)"),
+    12: ("stock NNX decoder, no layer marked: record_layers reaped and dropped <= 1.05, "
+         "per-example norms <= 1.30, gl.clipped_grad <= 1.30 x plain grad (time) and <= 1.30 "
+         "x its XLA temp memory; trace+compile of record_layers on 24 blocks <= 1.5 x plain"),
 }
 
 
@@ -227,8 +234,9 @@ def main(argv=None) -> None:
   print("\n".join(_summary_lines(results, numbers)))
   if args.output is not None:
     output = args.output
-  elif not settings.quick:
-    output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}.md"
+  elif not settings.quick:  # Some workloads only: a file of their own, a column of its own.
+    only = "-w" + "-".join(str(n) for n in numbers) if args.only else ""
+    output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}{only}.md"
   else:
     output = None
   if output is not None:
@@ -241,14 +249,26 @@ def main(argv=None) -> None:
     print(f"\nwrote {output} and its .json")
     if args.output is None:
       runs = sorted(output.parent.glob("*.json"), key=_run_order)
-      (HERE / "RESULTS.md").write_text(side_by_side(runs))
+      rewrite_results(HERE / "RESULTS.md", runs)
       print(f"wrote {HERE / 'RESULTS.md'}")
 
 
+def rewrite_results(path: pathlib.Path, runs: list[pathlib.Path]) -> None:
+  """Writes the side-by-side table to `path`, keeping the hand-written sections
+  (everything from its first `## ` heading on: one-off measurements, analyses)."""
+  old = path.read_text() if path.exists() else ""
+  start = old.find("\n## ")
+  kept = "" if start < 0 else "\n" + old[start:].lstrip("\n")
+  path.write_text(side_by_side(runs).rstrip("\n") + "\n" + kept)
+
+
 def _run_order(path: pathlib.Path) -> tuple:
-  """Orders `cpu-jax-0.5.0` before `cpu-jax-0.10.2`, CPU runs before GPU runs."""
+  """Orders `cpu-jax-0.5.0` before `cpu-jax-0.10.2`, CPU runs before GPU runs, a run of
+  all workloads before one of some (`cpu-jax-0.5.0-w12`)."""
   device, _, version = path.stem.partition("-jax-")
-  return (device != "cpu", device, tuple(int(p) for p in version.split(".") if p.isdigit()))
+  version, _, only = version.partition("-")
+  return (device != "cpu", device, tuple(int(p) for p in version.split(".") if p.isdigit()),
+          only)
 
 
 def _as_json(c: h.Comparison) -> dict:

@@ -64,7 +64,8 @@ def test_quick_workload_returns_positive_timings(benchmarks):
 
 
 @pytest.mark.parametrize("module", ["bench_summaries", "bench_running_stats",
-                                    "bench_disk_stream", "bench_dp", "bench_instruments"])
+                                    "bench_disk_stream", "bench_dp", "bench_instruments",
+                                    "bench_any_model"])
 def test_logging_workloads_run_and_check_their_values(benchmarks, module):
   sizes, settings = _tiny(benchmarks)
   result = benchmarks(module).run(settings, sizes)  # Each checks its values first.
@@ -73,13 +74,19 @@ def test_logging_workloads_run_and_check_their_values(benchmarks, module):
 
 def test_results_of_two_jax_versions_are_put_side_by_side(benchmarks, tmp_path):
   run = benchmarks("run")
-  for version, value in (("0.10.2", 1.2), ("0.5.0", 1.1)):
+  for version, value in (("0.10.2", 1.2), ("0.5.0-w4", 1.3), ("0.5.0", 1.1)):
     (tmp_path / f"cpu-jax-{version}.json").write_text(__import__("json").dumps({
         "file": f"cpu-jax-{version}.md", "machine": {"date": "d", "versions": version},
         "comparisons": [{"workload": 4, "what": "summaries", "baseline": "plain grad",
                          "value": value, "low": 1.0, "high": 1.3, "target": "<= 1.05",
                          "status": "MISSED"}]}))
   paths = sorted(tmp_path.glob("*.json"), key=run._run_order)
-  assert [p.stem for p in paths] == ["cpu-jax-0.5.0", "cpu-jax-0.10.2"]
+  assert [p.stem for p in paths] == ["cpu-jax-0.5.0", "cpu-jax-0.5.0-w4", "cpu-jax-0.10.2"]
   table = run.side_by_side(paths)
-  assert "| 4 | summaries | plain grad | <= 1.05 | 1.100x MISSED | 1.200x MISSED |" in table
+  assert ("| 4 | summaries | plain grad | <= 1.05 | 1.100x MISSED | 1.300x MISSED | "
+          "1.200x MISSED |") in table
+  # Rewriting RESULTS.md keeps the hand-written sections below the table.
+  results = tmp_path / "RESULTS.md"
+  results.write_text("# old table\n\n## One-off measurement\n\nby hand\n")
+  run.rewrite_results(results, paths)
+  assert results.read_text() == table.rstrip("\n") + "\n\n## One-off measurement\n\nby hand\n"
