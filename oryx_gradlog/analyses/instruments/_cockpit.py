@@ -52,8 +52,10 @@ only the step before each read step keeps what alpha needs. From a Python traini
 loop, give the schedule as a static argument, so that each phase compiles once and
 the steps between carry no `lax.cond`, and donate the parameters and the state, so
 that XLA updates them in place instead of copying the parameter-sized state through
-each step (measured on a 4 x 512 MLP, CPU: `every=10` costs about 1.06x a plain
-step with both donated and 1.15x without; see `benchmarks/RESULTS.md`):
+each step (measured on a 4 x 512 MLP, batch 128, CPU: the economy preset without
+grad_hist_1d at `every=10` costs about 1.18x a plain step, both donated; with it,
+9.3x, as grad_hist_1d bins every example's whole gradient; Cockpit itself, 19.8x;
+see `benchmarks/RESULTS.md`, workload 10):
 
     instruments = gl.training_instruments("economy", every=10)
     step = jax.jit(train_step, static_argnames="phase", donate_argnums=(0, 1))
@@ -68,12 +70,16 @@ Sharp edges:
     `individual_losses`) and each marked layer's slice of the update: the layer's
     weight (and bias) must be a leaf of `params` itself, found by identity at trace
     time (eagerly: by shape and value), or be named in `where` (as for
-    `to_param_tree`); the same holds for `tic_diag`. Parameters outside the marked layers add to the mean slope but not
-    to its variance.
+    `to_param_tree`); the same holds for `tic_diag`. Parameters outside the marked
+    layers add to the mean slope but not to its variance.
   * `grad_norm`, `update_size`, `distance` and the alpha means use every parameter
     (`grads`, `updates`, `params`); the tests, GSNR, early stopping, CABS, TIC and
     histograms use the marked layers of `records` only, where Cockpit uses every
     parameter.
+  * `grad_hist_1d` (in the economy preset, as in Cockpit's) and `grad_hist_2d` bin
+    every element of every example's gradient: B times the parameters per reading,
+    tens of plain steps on a CPU. Read them seldom (`every=`), or leave them out of
+    the tuple of instruments.
   * The curvature instruments need `hessian_loss`, the batch loss as a function of
     the parameters alone, and estimate from `num_products` Hessian-vector products
     what Cockpit computes exactly with BackPACK (the Hessian's diagonal): noisy,
