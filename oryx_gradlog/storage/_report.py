@@ -110,6 +110,15 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
 
   Raises:
     ValueError: the run has no numeric variable to plot, or no committed step.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp, oryx_gradlog as gl
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir) as log:
+    ...   for step in range(3):
+    ...     log.append(step, {"loss": jnp.float32(1.0 / (step + 1))})
+    >>> os.path.relpath(gl.report(run_dir, progress=False), run_dir)
+    'report/index.html'
   """
   matplotlib = _require("matplotlib", "report")
   matplotlib.use("Agg")

@@ -631,6 +631,16 @@ def open_run(run_dir: str | os.PathLike):
     FileNotFoundError: `run_dir` holds no run.
     ValueError: the run has no committed step yet (a live run before its first
       write).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, oryx_gradlog as gl
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir) as log:
+    ...   log.append(0, {"opt/lr": jnp.float32(0.5)})
+    ...   log.append(10, {"opt/lr": jnp.float32(0.25)})
+    >>> run = gl.open_run(run_dir)
+    >>> run["opt/lr"].values, run["step"].values.tolist(), run.attrs["committed_steps"]
+    (array([0.5 , 0.25], dtype=float32), [0, 10], 2)
   """
   xarray = _require("xarray", "open_run")
   path = os.path.join(os.fspath(run_dir), STORE_NAME)

@@ -52,6 +52,14 @@ def export_tensorboard(run_dir: str | os.PathLike, logdir: str | os.PathLike | N
 
   Raises:
     ValueError: the run has no numeric variable to export, or no committed step.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp, oryx_gradlog as gl
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir) as log:
+    ...   log.append(0, {"loss": jnp.float32(2.0)})
+    >>> os.path.relpath(gl.export_tensorboard(run_dir), run_dir)
+    'tensorboard'
   """
   tensorboardx = _require("tensorboardX", "export_tensorboard")
   dataset = open_run(run_dir)

@@ -15,9 +15,11 @@ Cockpit's HessTrace (and TICDiag's curvature) is BackPACK's exact Hessian diagon
 which backpropagates a matrix square root of the loss's Hessian through every
 layer: not something one ordinary backward pass (or a few Hessian-vector products)
 gives. These estimates converge to it as `num_products` grows; on a Hessian that is
-diagonal they are exact with any `num_products`.
+diagonal they are exact with any `num_products`. `exact=True` gives the diagonal
+(and trace) itself: one product per parameter, `H e_j` for every unit vector `e_j`,
+a chunk of them at a time, which is what a small model compared with Cockpit needs.
 
-Both take `num_products`, the number of Hessian-vector products, and run them in a
+They take `num_products`, the number of Hessian-vector products, and run them in a
 `lax.fori_loop`, so they are jit-safe and their cost is `num_products` products.
 Run them every k steps inside the training step with `gl.training_instruments`.
 
@@ -27,6 +29,8 @@ Sharp edges:
     close top eigenvalues, give it more products.
   * `fun` is differentiated twice (forward over reverse), outside any reap: layers
     marked inside it (`gl.dense`, ...) record nothing there, and cost nothing.
+  * `exact=True` costs one Hessian-vector product per parameter (and `chunk` of them
+    in memory at once): thousands of parameters, not millions.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 from jax import lax
 
@@ -43,10 +48,13 @@ def _vdot(a: Any, b: Any) -> jax.Array:
   return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _check(api: str, num_products: int) -> None:
+def _check(api: str, num_products: int, key: Any = (), exact: bool = False) -> None:
   if not isinstance(num_products, int) or num_products < 1:
     raise ValueError(f"{api}(num_products={num_products!r}): num_products must be a "
                      "positive integer, the number of Hessian-vector products to spend.")
+  if key is None and not exact:
+    raise ValueError(f"{api}: give key=, a PRNG key for the random vectors (or "
+                     "exact=True for the exact diagonal, one product per parameter).")
 
 
 def hessian_vector_product(fun: Callable[..., jax.Array], params: Any, *args: Any):
@@ -101,15 +109,18 @@ def hessian_max_eigenvalue(fun: Callable[..., jax.Array], params: Any, *args: An
 
 
 def hessian_trace(fun: Callable[..., jax.Array], params: Any, *args: Any,
-                  key: jax.Array, num_products: int = 20) -> jax.Array:
-  """Returns Hutchinson's estimate of the Hessian's trace.
+                  key: jax.Array | None = None, num_products: int = 20,
+                  exact: bool = False) -> jax.Array:
+  """Returns Hutchinson's estimate of the Hessian's trace (or the trace itself).
 
   Args:
     fun: the scalar loss, `fun(params, *args)`.
     params: the parameters (a pytree) at which the Hessian is taken.
     *args: the other arguments of `fun` (the batch).
-    key: a PRNG key for the Rademacher vectors.
+    key: a PRNG key for the Rademacher vectors (not used when `exact`).
     num_products: the number of Hessian-vector products (samples).
+    exact: the sum of `hessian_diagonal(..., exact=True)` instead: one product per
+      parameter.
 
   Returns:
     A scalar: the mean of `z^T H z` over `num_products` Rademacher vectors `z`.
@@ -120,7 +131,10 @@ def hessian_trace(fun: Callable[..., jax.Array], params: Any, *args: Any,
     >>> gl.hessian_trace(fun, jnp.ones(2), key=jax.random.PRNGKey(0), num_products=2)
     Array(4., dtype=float32)
   """
-  _check("hessian_trace", num_products)
+  _check("hessian_trace", num_products, key, exact)
+  if exact:
+    diagonal = hessian_diagonal(fun, params, *args, exact=True)
+    return sum(jnp.sum(v, dtype=jnp.float32) for v in jax.tree.leaves(diagonal))
   hvp = hessian_vector_product(fun, params, *args)
 
   def step(i, total):
@@ -131,30 +145,40 @@ def hessian_trace(fun: Callable[..., jax.Array], params: Any, *args: Any,
 
 
 def hessian_diagonal(fun: Callable[..., jax.Array], params: Any, *args: Any,
-                     key: jax.Array, num_products: int = 20) -> Any:
-  """Returns Hutchinson's estimate of the Hessian's diagonal, shaped like `params`.
+                     key: jax.Array | None = None, num_products: int = 20,
+                     exact: bool = False, chunk: int = 64) -> Any:
+  """Returns Hutchinson's estimate of the Hessian's diagonal (or the diagonal itself).
 
   `diag(H) ~ (1/n) sum_k z_k * (H z_k)` with the Rademacher vectors of
   `hessian_trace` (same `key`, same vectors: the sum of this estimate is that
   trace), unbiased with variance `(1/n) sum_{j != i} H_ij^2` per element.
+  `exact=True`: `H_jj = (H e_j)_j` for every parameter element `j`, `chunk`
+  products at a time (Cockpit's exact diagonal, at one product per parameter).
 
   Args:
     fun: the scalar loss, `fun(params, *args)`.
     params: the parameters (a pytree) at which the Hessian is taken.
     *args: the other arguments of `fun` (the batch).
-    key: a PRNG key for the Rademacher vectors.
+    key: a PRNG key for the Rademacher vectors (not used when `exact`).
     num_products: the number of Hessian-vector products (samples).
+    exact: the exact diagonal, from one product per parameter element.
+    chunk: with `exact`, how many products are formed at once (vmapped).
 
   Returns:
     A pytree like `params`.
 
   Example:
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
-    >>> fun = lambda w: 0.5 * (3 * w[0] ** 2 + w[1] ** 2)  # diagonal: exact
-    >>> gl.hessian_diagonal(fun, jnp.ones(2), key=jax.random.PRNGKey(0), num_products=2)
-    Array([3., 1.], dtype=float32)
+    >>> fun = lambda w: w[0] ** 2 * w[1] + w[1] ** 2  # H = [[2 w1, 2 w0], [2 w0, 2]]
+    >>> gl.hessian_diagonal(fun, jnp.array([1.0, 3.0]), exact=True)
+    Array([6., 2.], dtype=float32)
   """
-  _check("hessian_diagonal", num_products)
+  _check("hessian_diagonal", num_products, key, exact)
+  if exact:
+    if not isinstance(chunk, int) or chunk < 1:
+      raise ValueError(f"hessian_diagonal(chunk={chunk!r}): give a positive integer, the "
+                       "number of Hessian-vector products formed at once.")
+    return _exact_diagonal(hessian_vector_product(fun, params, *args), params, chunk)
   hvp = hessian_vector_product(fun, params, *args)
 
   def step(i, total):
@@ -164,6 +188,20 @@ def hessian_diagonal(fun: Callable[..., jax.Array], params: Any, *args: Any,
   zeros = jax.tree.map(jnp.zeros_like, params)
   total = lax.fori_loop(0, num_products, step, zeros)
   return jax.tree.map(lambda t: t / num_products, total)
+
+
+def _exact_diagonal(hvp, params, chunk):
+  """`(H e_j)_j` for every element `j` of the flattened `params`, `chunk` at a time."""
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  size = flat.size
+
+  def element(j):
+    (product, _) = jax.flatten_util.ravel_pytree(hvp(unravel(jax.nn.one_hot(j, size,
+                                                                         dtype=flat.dtype))))
+    return product[j]
+
+  diagonal = lax.map(element, jnp.arange(size), batch_size=min(chunk, size))
+  return unravel(diagonal)
 
 
 def _rademacher(key, params):

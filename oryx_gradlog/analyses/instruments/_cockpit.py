@@ -83,8 +83,9 @@ Sharp edges:
   * The curvature instruments need `hessian_loss`, the batch loss as a function of
     the parameters alone, and estimate from `num_products` Hessian-vector products
     what Cockpit computes exactly with BackPACK (the Hessian's diagonal): noisy,
-    and `tic_diag` divides by the noisy diagonal. Measure them every
-    `curvature_every` steps.
+    and `tic_diag` divides by the noisy diagonal. `exact_diagonal=True` computes
+    that diagonal exactly, at one product per parameter (small models: to read
+    Cockpit's `tic_diag`). Measure them every `curvature_every` steps.
   * `cabs` and `early_stopping` assume plain SGD (as Cockpit, which refuses other
     optimizers); `cabs` needs `learning_rate`.
   * A static `phase` is trusted: pass `instruments.phase(i)` for the i-th call of
@@ -342,6 +343,7 @@ def training_instruments(
     every: int | Callable[[Any], Any] = 1,
     curvature_every: int = 10,
     num_products: int = 20,
+    exact_diagonal: bool = False,
     names: Sequence[str] | None = None,
     tied: Collection[str] = (),
     where: Any = None,
@@ -362,6 +364,9 @@ def training_instruments(
       `phase=instruments.phase(step)` as a static argument of the jitted step.
     curvature_every: measure the curvature instruments every this many steps.
     num_products: Hessian-vector products per curvature instrument and use.
+    exact_diagonal: `hessian_trace`, `tic_diag` and `tic_trace` from the exact
+      Hessian diagonal (Cockpit's), one product per parameter, instead of
+      `num_products` products' estimate: for small models.
     names, tied: the layer records to use, as for `per_example_norms`.
     where: for `alpha` and `tic_diag` where the layers' weights are not leaves of
       `params` passed as they are: a tree like `params` with `'NAME.w'`,
@@ -404,6 +409,8 @@ def training_instruments(
   if not isinstance(curvature_every, int) or isinstance(curvature_every, bool) or (
       curvature_every < 1):
     raise ValueError(f"{api}(curvature_every={curvature_every!r}): give a positive integer.")
+  if not isinstance(exact_diagonal, bool):
+    raise ValueError(f"{api}(exact_diagonal={exact_diagonal!r}): give True or False.")
   if alpha_fit not in ("weighted", "unweighted"):
     raise ValueError(f"{api}(alpha_fit={alpha_fit!r}): give 'weighted' (Cockpit's) or "
                      "'unweighted'.")
@@ -568,7 +575,7 @@ def training_instruments(
     keys = dict(zip(("diagonal", "eigenvalue"), jax.random.split(key)))
     if wants & set(_DIAGONAL):
       diagonal = _hessian.hessian_diagonal(hessian_loss, params, key=keys["diagonal"],
-                                           num_products=num_products)
+                                           num_products=num_products, exact=exact_diagonal)
       leaves = [jnp.sum(v) for v in jax.tree.leaves(diagonal)]
       trace = sum(leaves)
       if "hessian_trace" in wants:
