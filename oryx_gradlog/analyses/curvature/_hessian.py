@@ -48,10 +48,13 @@ def _vdot(a: Any, b: Any) -> jax.Array:
   return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def _check(api: str, num_products: int, key: Any = (), exact: bool = False) -> None:
+def _check(api: str, num_products: int) -> None:
   if not isinstance(num_products, int) or num_products < 1:
     raise ValueError(f"{api}(num_products={num_products!r}): num_products must be a "
                      "positive integer, the number of Hessian-vector products to spend.")
+
+
+def _check_key(api: str, key: Any, exact: bool) -> None:
   if key is None and not exact:
     raise ValueError(f"{api}: give key=, a PRNG key for the random vectors (or "
                      "exact=True for the exact diagonal, one product per parameter).")
@@ -131,7 +134,8 @@ def hessian_trace(fun: Callable[..., jax.Array], params: Any, *args: Any,
     >>> gl.hessian_trace(fun, jnp.ones(2), key=jax.random.PRNGKey(0), num_products=2)
     Array(4., dtype=float32)
   """
-  _check("hessian_trace", num_products, key, exact)
+  _check("hessian_trace", num_products)
+  _check_key("hessian_trace", key, exact)
   if exact:
     diagonal = hessian_diagonal(fun, params, *args, exact=True)
     return sum(jnp.sum(v, dtype=jnp.float32) for v in jax.tree.leaves(diagonal))
@@ -173,7 +177,8 @@ def hessian_diagonal(fun: Callable[..., jax.Array], params: Any, *args: Any,
     >>> gl.hessian_diagonal(fun, jnp.array([1.0, 3.0]), exact=True)
     Array([6., 2.], dtype=float32)
   """
-  _check("hessian_diagonal", num_products, key, exact)
+  _check("hessian_diagonal", num_products)
+  _check_key("hessian_diagonal", key, exact)
   if exact:
     if not isinstance(chunk, int) or chunk < 1:
       raise ValueError(f"hessian_diagonal(chunk={chunk!r}): give a positive integer, the "
@@ -196,8 +201,8 @@ def _exact_diagonal(hvp, params, chunk):
   size = flat.size
 
   def element(j):
-    (product, _) = jax.flatten_util.ravel_pytree(hvp(unravel(jax.nn.one_hot(j, size,
-                                                                         dtype=flat.dtype))))
+    basis = unravel(jax.nn.one_hot(j, size, dtype=flat.dtype))
+    product, _ = jax.flatten_util.ravel_pytree(hvp(basis))
     return product[j]
 
   diagonal = lax.map(element, jnp.arange(size), batch_size=min(chunk, size))
