@@ -179,12 +179,12 @@ def hessian_diagonal(fun: Callable[..., jax.Array], params: Any, *args: Any,
   """
   _check("hessian_diagonal", num_products)
   _check_key("hessian_diagonal", key, exact)
+  hvp = hessian_vector_product(fun, params, *args)
   if exact:
     if not isinstance(chunk, int) or chunk < 1:
       raise ValueError(f"hessian_diagonal(chunk={chunk!r}): give a positive integer, the "
                        "number of Hessian-vector products formed at once.")
-    return _exact_diagonal(hessian_vector_product(fun, params, *args), params, chunk)
-  hvp = hessian_vector_product(fun, params, *args)
+    return _exact_diagonal(hvp, params, chunk)
 
   def step(i, total):
     z = _rademacher(jax.random.fold_in(key, i), params)
