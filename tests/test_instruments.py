@@ -310,11 +310,16 @@ def test_hessian_diagonal_converges_to_the_dense_diagonal():
   np.testing.assert_allclose(trace, jnp.sum(estimate), rtol=1e-4)
 
 
-def test_exact_hessian_diagonal_and_tic_match_the_dense_hessian():
+@pytest.mark.parametrize("layers", ["marked", "found"])
+def test_exact_hessian_diagonal_and_tic_match_the_dense_hessian(layers):
   """`exact=True` gives the dense Hessian's diagonal (a tanh MLP: H is not diagonal),
-  and the curvature instruments read from it match their definitions."""
+  and the curvature instruments read from it match their definitions, on layers
+  marked by hand or found by gl.record_layers in the plain model."""
   params, x, y, marked, plain = _model("mean")
-  loss = lambda p: jnp.mean(jax.vmap(plain, in_axes=(None, 0, 0))(p, x, y))
+  batch_loss = lambda p, x, y: jnp.mean(jax.vmap(plain, in_axes=(None, 0, 0))(p, x, y))
+  loss = lambda p: batch_loss(p, x, y)
+  if layers == "found":
+    marked = gl.record_layers(batch_loss)
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   hessian = np.asarray(jax.hessian(lambda v: loss(unravel(v)))(flat), np.float64)
   diagonal = jax.jit(lambda p: gl.hessian_diagonal(loss, p, exact=True, chunk=7))(params)
