@@ -511,6 +511,9 @@ def test_report_images_load_in_a_headless_browser(tmp_path):
       "i.naturalWidth).join('\\n') + '</pre>'; });</script></body>")), encoding="utf-8")
   result = subprocess.run(
       [browser, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
+       # No network here: nothing in the background tries to reach one.
+       "--disable-background-networking", "--disable-component-update", "--disable-sync",
+       "--no-first-run", f"--user-data-dir={tmp_path / 'chromium'}",
        "--virtual-time-budget=10000", "--dump-dom", check.as_uri()],
       capture_output=True, text=True, timeout=120, check=False)
   lines = result.stdout.split("<pre id=\"result\">")[-1].split("</pre>")[0].splitlines()
