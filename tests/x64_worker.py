@@ -8,6 +8,7 @@ JAX or numpy in float64, to float64 tolerances; it prints "x64 checks passed".
 import sys
 
 import jax
+import jax.flatten_util
 
 if "--config" in sys.argv:
   jax.config.update("jax_enable_x64", True)
@@ -72,6 +73,29 @@ def main():
   assert 0 < int(jnp.sum(factors < 1)) < 6
   np.testing.assert_allclose(clipped.layers["fc1"].w,
                              jnp.einsum("i,ijk->jk", factors, per_example["w1"]) / 6, rtol=1e-10)
+
+  # Curvature in float64 against the dense Hessian (jax.hessian).
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  batch_loss = lambda p: loss(p, x, t)
+  hessian = jax.hessian(lambda v: batch_loss(unravel(v)))(flat)
+  diagonal = jax.jit(lambda p: gl.hessian_diagonal(batch_loss, p, exact=True))(params)
+  np.testing.assert_allclose(jax.flatten_util.ravel_pytree(diagonal)[0], jnp.diag(hessian),
+                             rtol=1e-10, atol=1e-14)
+  trace = gl.hessian_trace(batch_loss, params, exact=True)
+  assert trace.dtype == jnp.float64
+  np.testing.assert_allclose(trace, jnp.trace(hessian), rtol=1e-12)
+  # A diagonal Hessian (eigenvalues 5, 1, 0.5): Hutchinson's trace is exact with any
+  # number of products, and power iteration converges as 0.2^k.
+  scales = jnp.array([5.0, 1.0, 0.5])
+  quadratic = lambda w: 0.5 * jnp.sum(scales * w["v"] ** 2)
+  w, key = {"v": jnp.ones(3)}, jax.random.PRNGKey(1)
+  dense = jax.hessian(lambda v: quadratic({"v": v}))(w["v"])
+  estimate = jax.jit(lambda w: gl.hessian_trace(quadratic, w, key=key, num_products=3))(w)
+  assert estimate.dtype == jnp.float64
+  np.testing.assert_allclose(estimate, jnp.trace(dense), rtol=1e-15)
+  top = gl.hessian_max_eigenvalue(quadratic, w, key=key, num_products=40)
+  assert top.dtype == jnp.float64
+  np.testing.assert_allclose(top, np.linalg.eigvalsh(np.asarray(dense))[-1], rtol=1e-12)
   print("x64 checks passed")
 
 

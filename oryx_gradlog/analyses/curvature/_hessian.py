@@ -44,8 +44,15 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def _float(params: Any):
+  """The dtype the estimates accumulate in: float32, or float64 for float64 params."""
+  return jnp.result_type(jnp.float32, *jax.tree.leaves(params))
+
+
 def _vdot(a: Any, b: Any) -> jax.Array:
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  """`<a, b>` over the leaves, in `_float(a)`."""
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  return sum(jnp.vdot(x, y).astype(_float(a)) for x, y in pairs)
 
 
 def _check(api: str, num_products: int) -> None:
@@ -100,14 +107,14 @@ def hessian_max_eigenvalue(fun: Callable[..., jax.Array], params: Any, *args: An
 
   def normalise(v):
     norm = jnp.sqrt(_vdot(v, v))
-    return jax.tree.map(lambda x: x / norm, v)
+    return jax.tree.map(lambda x: (x / norm).astype(x.dtype), v)
 
   def step(_, carry):
     v, _ = carry
     hv = hvp(v)
     return normalise(hv), _vdot(v, hv)
 
-  _, value = lax.fori_loop(0, num_products, step, (normalise(v), jnp.zeros((), jnp.float32)))
+  _, value = lax.fori_loop(0, num_products, step, (normalise(v), jnp.zeros((), _float(params))))
   return value
 
 
@@ -138,14 +145,14 @@ def hessian_trace(fun: Callable[..., jax.Array], params: Any, *args: Any,
   _check_key("hessian_trace", key, exact)
   if exact:
     diagonal = hessian_diagonal(fun, params, *args, exact=True)
-    return sum(jnp.sum(v, dtype=jnp.float32) for v in jax.tree.leaves(diagonal))
+    return sum(jnp.sum(v, dtype=_float(params)) for v in jax.tree.leaves(diagonal))
   hvp = hessian_vector_product(fun, params, *args)
 
   def step(i, total):
     z = _rademacher(jax.random.fold_in(key, i), params)
     return total + _vdot(z, hvp(z))
 
-  return lax.fori_loop(0, num_products, step, jnp.zeros((), jnp.float32)) / num_products
+  return lax.fori_loop(0, num_products, step, jnp.zeros((), _float(params))) / num_products
 
 
 def hessian_diagonal(fun: Callable[..., jax.Array], params: Any, *args: Any,
