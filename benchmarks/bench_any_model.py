@@ -17,7 +17,7 @@ the parameters and optimizer state it replaces; the gradient is the same).
 * `plain`: `jax.grad(loss)`, the floor.
 * `record_layers`: `gl.call_and_reap(jax.grad(gl.record_layers(loss)))`, the records
   dropped: what recording costs when nothing reads it (target <= 1.05).
-* `norms`: the same, returning the gradient and `gl.per_example_norms(...).total`
+* `norms`: the same, returning the gradient and `gl.per_example_norms(...).norms`
   (target <= 1.30).
 * `clipped`: `gl.clipped_grad(loss, l2_norm_clip=C)`, the DP-SGD clipped mean
   gradient (target <= 1.30, and XLA's temporaries <= 1.3 x plain's).
@@ -143,7 +143,7 @@ def steps(loss, batch: int) -> dict:
 
   def norms(*args):
     grads, records = gl.call_and_reap(jax.grad(gl.record_layers(loss)))(*args)
-    return grads, gl.per_example_norms(records).total
+    return grads, gl.per_example_norms(records).norms
 
   def vmapped(*args):
     per_example, total = per_example_grads(loss, batch, *args)

@@ -9,7 +9,7 @@ Side by side, on two models (float32):
 five variants of one step:
 
 * `plain`: `jax.jit(jax.grad(loss))` of the unmarked model: the floor.
-* `one_pass`: `gl.reap(jax.grad(loss))` of the marked model, then `gl.clipped_grads`
+* `one_pass`: `gl.reap(jax.grad(loss))` of the marked model, then `gl.per_example_clip`
   and `gl.to_param_tree`: the clipped mean gradient of every parameter (the target).
 * `one_pass_noise`: the same plus `gl.add_dp_noise` (a whole DP-SGD gradient).
 * `ghost`: the two-pass method of Opacus's ghost clipping and the old example 06:
@@ -127,7 +127,7 @@ def steps(model: Model) -> dict[str, Callable]:
 
   def clipped(params, *data):
     records = gl.reap(jax.grad(loss(MARKED)))(params, *data)
-    return gl.clipped_grads(records, l2_norm_clip=CLIP)
+    return gl.per_example_clip(records, l2_norm_clip=CLIP)
 
   def one_pass(params, *data):
     return gl.to_param_tree(clipped(params, *data).layers, params, model.where)
@@ -140,7 +140,7 @@ def steps(model: Model) -> dict[str, Callable]:
   def ghost(params, *data):
     records = gl.reap(jax.grad(loss(MARKED)))(params, *data)
     factors = jax.lax.stop_gradient(jnp.minimum(
-        1.0, CLIP / jnp.maximum(gl.per_example_norms(records).total, 1e-12)))
+        1.0, CLIP / jnp.maximum(gl.per_example_norms(records).norms, 1e-12)))
     reweighted = lambda p: jnp.mean(factors * model.example_loss(PLAIN, p, *data))
     return jax.grad(reweighted)(params)
 

@@ -71,7 +71,7 @@ def _worker(args) -> None:
   @jax.jit
   def step(params, x):
     grads, records = gl.call_and_reap(jax.grad(loss))(params, x)
-    logged = {"norms": gl.per_example_norms(records).total,
+    logged = {"norms": gl.per_example_norms(records).norms,
               "out": gl.summarize({k: r.out_cotangent for k, r in records.items()},
                                   keep_axes=1),
               "layer0": records["layer0"].out_cotangent}

@@ -118,7 +118,7 @@ def variants(workload: Workload) -> dict[str, Callable]:
 
   def ghost(params, *data):
     grads, records = gl.call_and_reap(jax.grad(batch_loss))(params, *data)
-    return grads, gl.per_example_norms(records).total
+    return grads, gl.per_example_norms(records).norms
 
   def vmapped(params, *data):
     per_example = jax.vmap(jax.grad(example_loss), in_axes=in_axes)(params, *data)

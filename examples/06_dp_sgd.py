@@ -6,13 +6,13 @@ per-example gradient with `jax.vmap(jax.grad(...))`: batch x parameters memory.
 Here one ordinary backward pass does it (Bu et al. 2023, "book-keeping"): the layer
 records (`gl.dense`, `gl.layer_norm`) hold each example's input and output
 cotangent, which give the per-example norms and then, with the cotangents
-reweighted by the clip factors, the clipped gradient (`gl.clipped_grads`). No
+reweighted by the clip factors, the clipped gradient (`gl.per_example_clip`). No
 second backward pass, no per-example gradient.
 
 The pieces of a whole DP-SGD step:
 1. `gl.poisson_batch`: Poisson sampling (what the accounting assumes), padded to a
    fixed size; padding examples get weight 0 in the loss.
-2. `gl.reap(jax.grad(loss))` then `gl.clipped_grads` and `gl.to_param_tree`.
+2. `gl.reap(jax.grad(loss))` then `gl.per_example_clip` and `gl.to_param_tree`.
 3. `gl.dp_noise` in an optax chain: the Gaussian noise, then SGD.
 4. `gl.dp_noise_multiplier` / `gl.dp_epsilon` (dp-accounting): sigma for a target
    epsilon, and the epsilon spent.
@@ -73,7 +73,7 @@ def batch_loss(params, x, y, weights):
 def one_pass_grads(params, x, y, weights):
   """One ordinary backward pass: its records give the clipped mean gradient."""
   records = gl.reap(jax.grad(batch_loss))(params, x, y, weights)
-  clipped = gl.clipped_grads(records, l2_norm_clip=CLIP, reduction="mean")
+  clipped = gl.per_example_clip(records, l2_norm_clip=CLIP, reduction="mean")
   return gl.to_param_tree(clipped.layers, params, WHERE), clipped.norms
 
 

@@ -57,7 +57,7 @@ def loss(params, x, y):
 @jax.jit
 def train_step(params, x, y):
   (value, grads), records = gl.call_and_reap(jax.value_and_grad(loss))(params, x, y)
-  logged = {"loss": value, "norms": gl.per_example_norms(records).total,
+  logged = {"loss": value, "norms": gl.per_example_norms(records).norms,
             "fc1": gl.summarize({"out": records["fc1"].out_cotangent}, keep_axes=1)}
   return jax.tree.map(lambda p, g: p - 0.2 * g, params, grads), logged
 

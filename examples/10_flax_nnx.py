@@ -58,9 +58,9 @@ def train_step(model, optimizer, x, y, lr):
     optimizer.update(model, grads)
   else:
     optimizer.update(grads)
-  norms = gl.per_example_norms(records)  # Each example's gradient norm, per layer.
-  logged = {"loss": loss, "lr": lr, "grad_norm/total": norms.total,
-            **{f"grad_norm/{name}": value for name, value in norms.layers.items()},
+  result = gl.per_example_norms(records)  # Each example's gradient norm, per layer.
+  logged = {"loss": loss, "lr": lr, "grad_norm/total": result.norms,
+            **{f"grad_norm/{name}": value for name, value in result.layers.items()},
             # Layer records summarize by their output cotangent, per example.
             "cotangents": gl.summarize(records, keep_axes=1)}
   return logged, grads

@@ -21,7 +21,7 @@ from oryx_gradlog.analyses.per_example._accounting import (
 from oryx_gradlog.analyses.per_example._clip import (
     ClippedGrads,
     clipped_grad,
-    clipped_grads,
+    per_example_clip,
     to_param_tree,
 )
 from oryx_gradlog.analyses.per_example._coverage import (
@@ -40,7 +40,6 @@ from oryx_gradlog.analyses.instruments._cockpit import (
 )
 from oryx_gradlog.analyses.curvature._curvature import (
     KFACFactors,
-    LayerParams,
     gradient_variance,
     kfac_factors,
     sum_grad_squared,
@@ -98,6 +97,7 @@ from oryx_gradlog.analyses.per_example._privacy import (
     dp_noise,
     poisson_batch,
 )
+from oryx_gradlog.record._view import LayerParams
 from oryx_gradlog.record._reap import (
     call_and_reap,
     reap,
@@ -151,8 +151,8 @@ __all__ = (
     "Logged",
     "MovingAverage",
     "NoiseScale",
-    "ParamCoverage",
     "NonFiniteReport",
+    "ParamCoverage",
     "PerExampleNorms",
     "PoissonBatch",
     "RunLog",
@@ -166,7 +166,6 @@ __all__ = (
     "batch_size_tests",
     "call_and_reap",
     "clipped_grad",
-    "clipped_grads",
     "conv2d",
     "dense",
     "dense_dot_general",
@@ -176,12 +175,12 @@ __all__ = (
     "embed",
     "export_tensorboard",
     "find_nonfinite",
-    "gradient_noise_scale",
     "gradient_histograms",
+    "gradient_noise_scale",
     "gradient_snr",
     "gradient_variance",
-    "hessian_max_eigenvalue",
     "hessian_diagonal",
+    "hessian_max_eigenvalue",
     "hessian_trace",
     "kfac_factors",
     "layer_coverage",
@@ -191,6 +190,7 @@ __all__ = (
     "magnitude_bins",
     "moving_average",
     "open_run",
+    "per_example_clip",
     "per_example_norms",
     "poisson_batch",
     "raise_if_nonfinite",
@@ -207,3 +207,16 @@ __all__ = (
     "training_instruments",
     "update_size",
 )
+
+# Names the package no longer has, with the name to use instead (not released: no
+# deprecation period, an error that says what to write).
+_RENAMED = {
+    "clipped_grads": "per_example_clip (records in, the clipped gradient out; "
+                     "gl.clipped_grad transforms a loss function, like jax.grad)",
+}
+
+
+def __getattr__(name: str):
+  if name in _RENAMED:
+    raise AttributeError(f"oryx_gradlog.{name} was renamed: use gl.{_RENAMED[name]}.")
+  raise AttributeError(f"module 'oryx_gradlog' has no attribute {name!r}")

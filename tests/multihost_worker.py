@@ -60,7 +60,7 @@ def train_step(params, stats, x, y):
   """One SGD step; returns the new state and what is logged for the step."""
   (value, grads), records = gl.call_and_reap(jax.value_and_grad(loss))(params, x, y)
   norms = gl.per_example_norms(records)
-  clipped = gl.clipped_grads(records, l2_norm_clip=CLIP)
+  clipped = gl.per_example_clip(records, l2_norm_clip=CLIP)
   stats = STATS.update(stats, records)
   params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
   logged = {
@@ -68,7 +68,7 @@ def train_step(params, stats, x, y):
       "h": records["h"],  # Per-example: sharded over processes like the batch.
       "summary": gl.summarize({"h": records["h"]}, keep_axes=1),  # Per example.
       "batch_summary": gl.summarize(records),  # Over the batch: replicated scalars.
-      "norms": {"total": norms.total, "layers": norms.layers},
+      "norms": {"total": norms.norms, "layers": norms.layers},
       "clipped": clipped,
       "noise": gl.gradient_noise_scale(records),
   }

@@ -6,7 +6,7 @@ per-example losses, that is the gradient of the example's own loss). From it, in
 float64 NumPy: each parameter's per-example norms, the total norm over all
 parameters, and the DP-SGD clipped gradient `sum_i min(1, C / |g_i|) g_i` (divided by
 the batch size for a mean loss). `check_found` compares the library's
-`per_example_norms` and `clipped_grads(...).params` from one reaped backward pass of
+`per_example_norms` and `per_example_clip(...).params` from one reaped backward pass of
 `gl.record_layers(loss)` with these, at a relative error of at most 1e-5.
 """
 
@@ -121,7 +121,7 @@ class Found:
 def found(loss: Callable, *args, reduction: str = "mean", method: str = "auto",
           l2_norm_clip: float = 1.0, argnums=0, batch_argnums=None,
           wrap: Callable = jax.jit) -> Found:
-  """Library computation: `per_example_norms` and `clipped_grads(...).params` of the
+  """Library computation: `per_example_norms` and `per_example_clip(...).params` of the
   records of `jax.grad(gl.record_layers(loss))`, under `wrap` (default `jit`)."""
   recorded = gl.record_layers(loss, argnums=argnums, batch_argnums=batch_argnums)
   grad_argnums = argnums if isinstance(argnums, int) else tuple(argnums)
@@ -129,7 +129,7 @@ def found(loss: Callable, *args, reduction: str = "mean", method: str = "auto",
   def run(*args):
     records = gl.reap(jax.grad(recorded, argnums=grad_argnums))(*args)
     norms = gl.per_example_norms(records, reduction=reduction, method=method)
-    clipped = gl.clipped_grads(records, l2_norm_clip=l2_norm_clip, reduction=reduction,
+    clipped = gl.per_example_clip(records, l2_norm_clip=l2_norm_clip, reduction=reduction,
                                method=method)
     return Found(norms, clipped.params)
 
@@ -172,7 +172,7 @@ def check_found(loss: Callable, *args, reduction: str = "mean", method: str = "a
   for name in names:
     assert_norms_close(result.norms.layers[name], expected_layers[name], tol, name,
                        scale=float(np.max(expected_total)))
-  assert_norms_close(result.norms.total, expected_total, tol, "total")
+  assert_norms_close(result.norms.norms, expected_total, tol, "total")
   expected_clipped = clip(grads, l2_norm_clip, reduction)
   assert_rel_err(result.clipped, expected_clipped, tol)
   return result

@@ -121,7 +121,7 @@ def _check_norms(norms, grads):
   assert sorted(norms.layers) == sorted(grads)
   for name, layer_grads in grads.items():
     np.testing.assert_allclose(norms.layers[name], _norms(layer_grads), rtol=RTOL, atol=ATOL)
-  np.testing.assert_allclose(norms.total, _norms(grads), rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(norms.norms, _norms(grads), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -169,7 +169,7 @@ def test_sum_reduction_and_eager():
   records = gl.reap(jax.grad(_batch_loss(mlp_loss, "sum")))(params, x, y)
   _check_norms(gl.per_example_norms(records, reduction="sum"), grads)
   # The same records read as a mean loss would be B times too large.
-  np.testing.assert_allclose(gl.per_example_norms(records, reduction="mean").total,
+  np.testing.assert_allclose(gl.per_example_norms(records, reduction="mean").norms,
                              x.shape[0] * _norms(grads), rtol=RTOL)
 
 
@@ -193,7 +193,7 @@ def test_vmap_over_independent_models():
   params2 = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a]), params)
   xs, ys = jnp.stack([x, -x]), jnp.stack([y, 2 * y])
   total = jax.jit(jax.vmap(lambda p, x, y: gl.per_example_norms(
-      gl.reap(jax.grad(_batch_loss(mlp_loss)))(p, x, y)).total))(params2, xs, ys)
+      gl.reap(jax.grad(_batch_loss(mlp_loss)))(p, x, y)).norms))(params2, xs, ys)
   for k in range(2):
     member = jax.tree.map(lambda a, k=k: a[k], params2)
     np.testing.assert_allclose(
@@ -245,7 +245,7 @@ def test_stacked_calls_give_norms_per_call_and_tied_calls_sum():
                        for i in range(3)])
   np.testing.assert_allclose(norms.layers["block"], per_call, rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(norms.layers["cell"], _norms(grads["cell"]), rtol=RTOL, atol=ATOL)
-  np.testing.assert_allclose(norms.total, _norms(grads), rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(norms.norms, _norms(grads), rtol=RTOL, atol=ATOL)
 
 
 def test_flax_style_dot_general_counts_the_bias_added_after_it():
@@ -259,7 +259,7 @@ def test_flax_style_dot_general_counts_the_bias_added_after_it():
   x, y = _normal(32, (6, 5)), _normal(33, (6, 3))
   records = jax.jit(gl.reap(jax.grad(_batch_loss(example_loss))))(params, x, y)
   grads = _per_example_grads(example_loss, params, x, y)
-  np.testing.assert_allclose(gl.per_example_norms(records).total, _norms(grads), rtol=RTOL)
+  np.testing.assert_allclose(gl.per_example_norms(records).norms, _norms(grads), rtol=RTOL)
   with pytest.raises(ValueError, match=r"dense_dot_general\(name='fc'\).*nn.Dense"):
     dot(x, params["kernel"].T, (((1,), (1,)), ((), ())))
 
@@ -280,7 +280,7 @@ def test_flax_dense_marked_with_its_dot_general_hook():
   norms = jax.jit(lambda p, x, y: gl.per_example_norms(
       gl.reap(jax.grad(_batch_loss(example_loss)))(p, x, y)))(params, x, y)
   grads = _per_example_grads(example_loss, params, x, y)
-  np.testing.assert_allclose(norms.total, _norms(grads), rtol=RTOL)
+  np.testing.assert_allclose(norms.norms, _norms(grads), rtol=RTOL)
 
 
 def test_equinox_linear_marked_with_gl_dense_per_example():
@@ -302,7 +302,7 @@ def test_equinox_linear_marked_with_gl_dense_per_example():
   norms = eqx.filter_jit(lambda m, x, y: gl.per_example_norms(
       gl.reap(eqx.filter_grad(loss))(m, x, y)))(model, x, y)
   grads = jax.vmap(eqx.filter_grad(example_loss), (None, 0, 0))(model, x, y)
-  np.testing.assert_allclose(norms.total, _norms(grads), rtol=RTOL)
+  np.testing.assert_allclose(norms.norms, _norms(grads), rtol=RTOL)
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +324,7 @@ def test_sharded_batch_over_eight_devices(mesh):
   norms, noise, factors, sgs = sharded(params, x, y)
   grads = _per_example_grads(seq_loss, params, x, y)
   _check_norms(norms, grads)
-  assert norms.total.sharding.is_equivalent_to(by_example, 1)  # Stays split by example.
+  assert norms.norms.sharding.is_equivalent_to(by_example, 1)  # Stays split by example.
   single = jax.jit(analyses)(params, x, y)
   for a, b in zip(jax.tree.leaves((norms, noise, factors, sgs)), jax.tree.leaves(single)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -573,7 +573,7 @@ def test_layer_records_describe_the_layer():
   params, x, y = conv_setup()
   records = jax.jit(gl.reap(jax.grad(_batch_loss(conv_loss))))(params, x, y)
   layer = records["c1"].primals[0]
-  assert layer.kind == "conv2d" and layer.options["feature_group_count"] == 2
+  assert layer.kind == "conv" and layer.options["feature_group_count"] == 2
   assert layer.w.shape == (3, 3, 2, 6) and records["c1"].in_cotangents[0].b.shape == (6,)
   # The layers compute what plain JAX computes, and record the batch gradient.
   np.testing.assert_allclose(records["c1"].in_cotangents[0].w,

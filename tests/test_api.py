@@ -14,7 +14,7 @@ def test_all_is_the_documented_api():
       "KFACFactors", "LayerInputs", "LayerParams", "Logged", "MovingAverage", "NoiseScale",
       "NonFiniteReport", "PerExampleNorms", "PoissonBatch", "RunLog", "RunningStats",
       "StatisticsTransform", "Summary", "VJPRecord", "add_dp_noise", "call_and_reap",
-      "clipped_grads", "conv2d", "dense", "dense_dot_general", "dp_epsilon", "dp_noise",
+      "per_example_clip", "conv2d", "dense", "dense_dot_general", "dp_epsilon", "dp_noise",
       "dp_noise_multiplier", "embed", "export_tensorboard", "find_nonfinite",
       "gradient_noise_scale", "gradient_variance", "kfac_factors", "layer_norm",
       "magnitude_bins", "moving_average", "open_run", "per_example_norms", "poisson_batch",
@@ -31,6 +31,18 @@ def test_all_is_the_documented_api():
       "LayerCoverage", "LayerUse", "ParamCoverage", "UseCoverage", "clipped_grad",
       "layer_coverage", "record_layers"])
   assert gl.DEFAULT_TAG == "vjp"
+  assert list(gl.__all__) == sorted(gl.__all__)
+
+
+def test_renamed_names_say_what_to_write():
+  with pytest.raises(AttributeError, match=r"clipped_grads was renamed: use "
+                     r"gl\.per_example_clip"):
+    gl.clipped_grads  # pylint: disable=pointless-statement
+  with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    gl.no_such_name  # pylint: disable=pointless-statement
+  norms = gl.PerExampleNorms({}, None)
+  with pytest.raises(AttributeError, match=r"renamed PerExampleNorms\.norms"):
+    norms.total  # pylint: disable=pointless-statement
 
 
 def test_the_installed_jax_and_oryx_pass_the_probe():

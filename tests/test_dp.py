@@ -72,7 +72,7 @@ def _dp_grads(example_loss, reduction, l2_norm_clip, **kwargs):
   """Library computation: records of one backward pass -> clipped grads on the tree."""
   def step(params, *data):
     records = gl.reap(jax.grad(_batch_loss(example_loss, reduction)))(params, *data)
-    clipped = gl.clipped_grads(records, l2_norm_clip=l2_norm_clip, reduction=reduction,
+    clipped = gl.per_example_clip(records, l2_norm_clip=l2_norm_clip, reduction=reduction,
                                **kwargs)
     return gl.to_param_tree(clipped.layers, params, _where(params)), clipped.norms
   return step
@@ -242,7 +242,7 @@ def test_model_applied_per_example_under_a_vmap_inside_the_loss():
   @jax.jit
   def step(params, x):
     loss = lambda p, x: jnp.mean(jax.vmap(conv_loss, (None, 0))(p, x))
-    clipped = gl.clipped_grads(gl.reap(jax.grad(loss))(params, x), l2_norm_clip=l2_norm_clip)
+    clipped = gl.per_example_clip(gl.reap(jax.grad(loss))(params, x), l2_norm_clip=l2_norm_clip)
     return gl.to_param_tree(clipped.layers, params, _where(params))
 
   _assert_rel_err(step(params, *data), expected)
@@ -303,7 +303,7 @@ def test_poisson_padding_examples_have_weight_zero_and_no_effect():
 def test_noise_has_the_dp_sgd_scale(reduction, stddev):
   params, data = mlp_setup()
   records = gl.reap(jax.grad(_batch_loss(mlp_loss, reduction)))(params, *data)
-  clipped = gl.clipped_grads(records, l2_norm_clip=0.5, reduction=reduction)
+  clipped = gl.per_example_clip(records, l2_norm_clip=0.5, reduction=reduction)
   noisy = jax.jit(lambda c, k: gl.add_dp_noise(c, k, noise_multiplier=2.0))(
       clipped, jax.random.PRNGKey(7))
   noise = np.concatenate([np.ravel(n - c) for n, c in zip(
@@ -347,7 +347,7 @@ def test_accounting_epsilon_and_its_inverse():
 def test_parameters_the_records_do_not_cover_are_listed():
   params, data = mlp_setup()
   records = gl.reap(jax.grad(_batch_loss(mlp_loss, "mean")))(params, *data)
-  clipped = gl.clipped_grads(records, l2_norm_clip=1.0)
+  clipped = gl.per_example_clip(records, l2_norm_clip=1.0)
   params = {**params, "scale": jnp.ones(3), "extra": {"w": jnp.ones(2)}}
   where = {**_where(mlp_setup()[0]), "scale": None, "extra": {"w": None}}
   with pytest.raises(ValueError, match=r"to_param_tree: \['extra'\]\['w'\] is not covered by "
@@ -368,10 +368,10 @@ def test_parameters_the_records_do_not_cover_are_listed():
 def test_bad_arguments_say_what_to_pass():
   params, data = mlp_setup()
   records = gl.reap(jax.grad(_batch_loss(mlp_loss, "mean")))(params, *data)
-  with pytest.raises(ValueError, match=r"clipped_grads\(l2_norm_clip=0.0\).*positive"):
-    gl.clipped_grads(records, l2_norm_clip=0.0)
-  with pytest.raises(ValueError, match=r"clipped_grads\(reduction='max'\)"):
-    gl.clipped_grads(records, l2_norm_clip=1.0, reduction="max")
+  with pytest.raises(ValueError, match=r"per_example_clip\(l2_norm_clip=0.0\).*positive"):
+    gl.per_example_clip(records, l2_norm_clip=0.0)
+  with pytest.raises(ValueError, match=r"per_example_clip\(reduction='max'\)"):
+    gl.per_example_clip(records, l2_norm_clip=1.0, reduction="max")
   with pytest.raises(ValueError, match=r"dp_noise\(reduction='mean'\).*pass batch_size"):
     gl.dp_noise(l2_norm_clip=1.0, noise_multiplier=1.0)
   with pytest.raises(ValueError, match=r"dp_epsilon: sampling_rate=2.0 must be in \(0, 1\]; "

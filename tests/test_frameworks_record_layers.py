@@ -9,7 +9,7 @@ loss is `loss(params, *batch)`; no module is changed or wrapped.
 True computation (`per_example.py`): `vmap(grad)` on one-example batches, per
 parameter path and in total, and clipping. Library computation: one backward pass
 of `gl.record_layers(loss)` read by `gl.per_example_norms` and
-`gl.clipped_grads(...).params` (mean loss), and `gl.clipped_grad` (sum loss).
+`gl.per_example_clip(...).params` (mean loss), and `gl.clipped_grad` (sum loss).
 The record names must be the parameter paths.
 """
 
@@ -47,7 +47,7 @@ def _losses(per_example):
 
 
 def _check(per_example, params, batch, names):
-  """Norms per parameter path and total, clipped_grads (mean) and clipped_grad (sum);
+  """Norms per parameter path and total, per_example_clip (mean) and clipped_grad (sum);
   every stock layer's parameters are used by a layer kind with a closed form (no
   generic use)."""
   mean, total = _losses(per_example)

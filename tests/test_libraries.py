@@ -482,7 +482,7 @@ def test_stock_nnx_linear_with_dense_dot_general_gives_per_example_norms():
   per_example = jax.vmap(jax.grad(lambda p, x, t: loss(nnx.merge(graphdef, p), x[None], t[None])),
                          in_axes=(None, 0, 0))(state, x, t)
   squares = sum(jnp.sum(g.reshape(6, -1) ** 2, 1) for g in jax.tree.leaves(per_example))
-  np.testing.assert_allclose(gl.per_example_norms(records).total, jnp.sqrt(squares), rtol=1e-5)
+  np.testing.assert_allclose(gl.per_example_norms(records).norms, jnp.sqrt(squares), rtol=1e-5)
   with pytest.raises(ValueError, match=r"dense_dot_general\(name='fc'\): got out_sharding=.*"
                      r"jax.lax.with_sharding_constraint"):
     gl.dense_dot_general(name="fc")(x, jnp.ones((4, 2)), (((1,), (0,)), ((), ())),

@@ -6,7 +6,7 @@ True computation (`per_example.py`): each example's gradient from
 `jax.vmap(jax.grad(loss))` on one-example batches, its norms per parameter and over
 all parameters, and the DP-SGD clipped gradient. Library computation: one reaped
 backward pass of `jax.grad(gl.record_layers(loss))` under `jit`, read by
-`gl.per_example_norms` and `gl.clipped_grads(...).params`, or `gl.clipped_grad`.
+`gl.per_example_norms` and `gl.per_example_clip(...).params`, or `gl.clipped_grad`.
 Comparison: relative error at most 1e-5 (float32).
 
 The models cover each kind of use the issue lists: `dot_general` with assorted
@@ -515,7 +515,7 @@ def test_parameter_cast_from_bfloat16():
   result = found(loss, params, x, l2_norm_clip=median_clip(grads))
   for name in expected:
     assert_norms_close(result.norms.layers[name], expected[name], what=name)
-  assert_norms_close(result.norms.total, total)
+  assert_norms_close(result.norms.norms, total)
   assert result.clipped["w"].dtype == result.clipped["stack"].dtype == jnp.bfloat16
   assert_rel_err(result.clipped, clip(grads, median_clip(grads), "mean"), tol=1e-2)
 
@@ -541,7 +541,7 @@ def test_outer_vmap_with_the_analyses_inside_it():
   def analyse(params, x):
     records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
     norms = gl.per_example_norms(records)
-    return norms, gl.clipped_grads(records, l2_norm_clip=c).params
+    return norms, gl.per_example_clip(records, l2_norm_clip=c).params
 
   norms, clipped = jax.jit(jax.vmap(analyse))(members, xs)
   for m in range(2):
@@ -551,7 +551,7 @@ def test_outer_vmap_with_the_analyses_inside_it():
     assert 0 < np.sum(total > c) < B, total  # Some examples are clipped, some not.
     for name, expected in layers.items():
       assert_norms_close(norms.layers[name][m], expected, what=name)
-    assert_norms_close(norms.total[m], total)
+    assert_norms_close(norms.norms[m], total)
     assert_rel_err(jax.tree.map(lambda a: a[m], clipped), clip(grads, c, "mean"))
 
 
@@ -569,7 +569,7 @@ def test_sharded_jit_over_eight_devices():
     return jax.jit(fun, in_shardings=(replicated, by_example))
 
   result = check_found(loss, params, x, wrap=wrap)
-  assert result.norms.total.shape == (8,)
+  assert result.norms.norms.shape == (8,)
   grads = per_example_grads(loss, params, x)
   c = median_clip(grads)
   step = jax.jit(gl.clipped_grad(loss, l2_norm_clip=c, return_norms=True),

@@ -67,8 +67,8 @@ def main():
   per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, x[:, None], t[:, None])
   flat = jnp.concatenate([g.reshape(6, -1) for g in jax.tree.leaves(per_example)], 1)
   norms = gl.per_example_norms(records)
-  np.testing.assert_allclose(norms.total, jnp.linalg.norm(flat, axis=1), rtol=RTOL)
-  clipped = gl.clipped_grads(records, l2_norm_clip=10.0)  # Clips some examples, not all.
+  np.testing.assert_allclose(norms.norms, jnp.linalg.norm(flat, axis=1), rtol=RTOL)
+  clipped = gl.per_example_clip(records, l2_norm_clip=10.0)  # Clips some examples, not all.
   factors = jnp.minimum(1.0, 10.0 / jnp.linalg.norm(flat, axis=1))
   assert 0 < int(jnp.sum(factors < 1)) < 6
   np.testing.assert_allclose(clipped.layers["fc1"].w,

@@ -22,8 +22,8 @@ for a convolution's output), which a per-example gradient sums over. A model wri
 per example and vmapped inside the loss (the Equinox style) records the same layout,
 because the weight is shared by the vmap and keeps its own shape.
 
-The analyses read these records through `_view.py` (the one layer view, shared with
-the uses `gl.record_layers` finds in any model's jaxpr, which needs no marking).
+The analyses read these records as `MarkedUse`s (`_marked.py`), through the interface
+of the uses `gl.record_layers` finds in any model's jaxpr (`_view.py`), in one loop.
 
 Marking Flax and Equinox layers:
 
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,13 +62,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog.record._record import VJPRecord, record_vjp
+from oryx_gradlog.record._kinds import CONV, DENSE, EMBED, LAYER_NORM
+from oryx_gradlog.record._record import record_vjp
 from oryx_gradlog.record._sites import DEFAULT_TAG
 
-DENSE, CONV2D, EMBED, LAYER_NORM = "dense", "conv2d", "embed", "layer_norm"
 # The rank of the weight of each kind of layer; a record's weight has more axes
 # only in front, one per stacked call axis.
-_WEIGHT_RANK = {DENSE: 2, CONV2D: 4, EMBED: 2, LAYER_NORM: 1}
+WEIGHT_RANK = {DENSE: 2, CONV: 4, EMBED: 2, LAYER_NORM: 1}
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -87,7 +86,8 @@ class LayerInputs:
     w: its weight: `(d_in, d_out)` for dense, the kernel for conv2d, the
       `(vocabulary, d)` table for an embedding.
     b: its bias, or `None`.
-    kind: `"dense"`, `"conv2d"` or `"embed"` (static).
+    kind: `"dense"`, `"conv"`, `"embed"` or `"layer_norm"` (static; the kinds of
+      `gl.record_layers`'s uses, and `"layer_norm"`).
     config: the layer's static options as sorted `(key, value)` pairs.
 
   Example:
@@ -110,7 +110,7 @@ class LayerInputs:
     return dict(self.config)
 
 
-def _apply(layer: LayerInputs) -> jax.Array:
+def apply(layer: LayerInputs) -> jax.Array:
   options = layer.options
   if layer.kind == DENSE:
     y = jnp.matmul(layer.x, layer.w, precision=options.get("precision"))
@@ -125,7 +125,7 @@ def _apply(layer: LayerInputs) -> jax.Array:
         options["feature_group_count"], precision=options.get("precision"))
   if layer.b is None:
     return y
-  if layer.kind == CONV2D:
+  if layer.kind == CONV:
     out_spec = lax.conv_dimension_numbers(
         layer.x.shape, layer.w.shape, options["dimension_numbers"]).out_spec
     shape = [1] * y.ndim
@@ -142,7 +142,7 @@ def normalize(x: jax.Array, eps: float) -> jax.Array:
 
 
 def _record(layer: LayerInputs, name: str, tag: str) -> jax.Array:
-  return record_vjp(_apply, name=name, tag=tag, full=True)(layer)
+  return record_vjp(apply, name=name, tag=tag, full=True)(layer)
 
 
 def dense(
@@ -171,8 +171,8 @@ def dense(
   Example:
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
     >>> loss = lambda w, x: jnp.mean(jnp.sum(gl.dense(x, w, name="fc") ** 2, axis=-1))
-    >>> norms = gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.eye(2), jnp.eye(2)))
-    >>> norms.total  # example i's loss |e_i w|^2 has gradient 2 outer(e_i, e_i)
+    >>> result = gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.eye(2), jnp.eye(2)))
+    >>> result.norms  # example i's loss |e_i w|^2 has gradient 2 outer(e_i, e_i)
     Array([2., 2.], dtype=float32)
   """
   w = jnp.asarray(w)
@@ -211,7 +211,7 @@ def dense_dot_general(
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
     >>> dot = gl.dense_dot_general(name="fc", bias=False)  # nn.Dense(..., dot_general=dot)
     >>> loss = lambda w, x: jnp.mean(jnp.sum(dot(x, w, (((1,), (0,)), ((), ()))) ** 2, -1))
-    >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.eye(2), jnp.eye(2))).total
+    >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.eye(2), jnp.eye(2))).norms
     Array([2., 2.], dtype=float32)
   """
 
@@ -302,7 +302,7 @@ def conv2d(
   )
   if precision is not None:
     config += (("precision", precision),)
-  return _record(LayerInputs(x, w, b, CONV2D, config), name, tag)
+  return _record(LayerInputs(x, w, b, CONV, config), name, tag)
 
 
 def embed(ids: jax.Array, table: jax.Array, *, name: str, tag: str = DEFAULT_TAG) -> jax.Array:
@@ -322,7 +322,7 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str, tag: str = DEFAULT_TAG
     >>> loss = lambda table, ids: jnp.sum(gl.embed(ids, table, name="emb"))
     >>> ids = jnp.array([[0, 0, 1]])  # one example, token 0 twice: its row gets 2 * ones
     >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.zeros((3, 2)), ids),
-    ...                      reduction="sum").total
+    ...                      reduction="sum").norms
     Array([3.1622777], dtype=float32)
   """
   table = jnp.asarray(table)
@@ -341,7 +341,7 @@ def layer_norm(
 
   Computes `(x - mean) / sqrt(var + eps) * scale + offset`, mean and variance over
   the last axis (as Flax's `nn.LayerNorm`). The record's `LayerInputs` holds `x`,
-  `w=scale` and `b=offset`, so that `per_example_norms` and `clipped_grads` count the
+  `w=scale` and `b=offset`, so that `per_example_norms` and `per_example_clip` count the
   per-example gradients of the scale (`sum_t xhat_t * g_t`) and the offset
   (`sum_t g_t`).
 
@@ -361,7 +361,7 @@ def layer_norm(
     >>> first = lambda y: y[..., 0]
     >>> loss = lambda s, x: jnp.sum(first(gl.layer_norm(x, s, name="ln", eps=0.0)))
     >>> x = jnp.array([[0.0, 2.0], [3.0, 1.0]])  # normalised: [-1, 1] and [1, -1]
-    >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.ones(2), x), reduction="sum").total
+    >>> gl.per_example_norms(gl.reap(jax.grad(loss))(jnp.ones(2), x), reduction="sum").norms
     Array([1., 1.], dtype=float32)
   """
   scale = jnp.asarray(scale)

@@ -70,13 +70,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from oryx_gradlog.record import _internals, _sites
+from oryx_gradlog.record import _internals
+from oryx_gradlog.record._kinds import (
+    CONV, DENSE, ELEMENTWISE, EMBED, FOUND_KINDS, GENERIC, UNSUPPORTED)
 from oryx_gradlog.record._record import record_vjp
 from oryx_gradlog.record._sites import DEFAULT_TAG
 
-DENSE, CONV, EMBED, ELEMENTWISE, GENERIC, UNSUPPORTED = (
-    "dense", "conv", "embed", "elementwise", "generic", "unsupported")
-KINDS = (DENSE, CONV, EMBED, ELEMENTWISE, GENERIC, UNSUPPORTED)
+KINDS = FOUND_KINDS
 
 # One-operand linear maps a parameter may pass through and stay a view of its leaf;
 # the first set keeps its entries (a per-example gradient's norm is the same).
@@ -1026,7 +1026,7 @@ def record_layers(
   convolutions, embedding lookups, element-wise scales and shifts, and anything
   else (generic). Reaping the returned function's backward pass gives one
   `VJPRecord` per use, named by the parameter's path, which `per_example_norms`,
-  `clipped_grads` and the other analyses take as they take hand-marked layers.
+  `per_example_clip` and the other analyses take as they take hand-marked layers.
 
   Args:
     fun: the function, e.g. `loss(params, x, y)`.

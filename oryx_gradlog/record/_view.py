@@ -1,23 +1,28 @@
-"""The layer view: every layer record as the analyses read it.
+"""The layer view: the canonical form of a layer, and the uses found in a jaxpr.
 
 Two kinds of record describe a layer. A hand-marked layer (`gl.dense`, `gl.conv2d`,
 `gl.embed`, `gl.layer_norm`) records a `LayerInputs` (`x`, `w`, `b`, kind, options);
 a use that `gl.record_layers` found in a jaxpr records a `LayerUse` (the operands of
-the operation where parameters meet the batch, and a static `UseSpec`). The
-analyses read both through this module only:
+the operation where parameters meet the batch, and a static `UseSpec`). Both are
+read as *layer uses* with one interface (`FoundUse` here, `MarkedUse` in
+`_marked.py`), which `_selection.collect` hands to every analysis:
 
-* `LayerView`, the canonical `(S, B, T, d)` view of a layer that is dense over
+* `keys`, the result keys a use contributes to (parameter paths; a hand-marked
+  record's name), `kind` (`_kinds.py`), `batch_size`;
+* `view()`, the canonical `LayerView` `(S, B, T, d)` of a layer that is dense over
   positions: S stacked calls (and feature groups), B examples, T positions (tokens,
   output pixels of a convolution, whose input becomes its patches, and calls that
-  share one weight), d features. Per-example gradient norms, K-FAC factors and the
-  Gram forms of the batch-size tests are computed from it.
-* `FoundUse`, a found use with what every analysis needs from any operation, via
-  the operation itself: its per-example gradients (materialised), the weighted sum
-  `sum_i c_i grad_i` (one vjp), inner products `<grad_i, v>` (one jvp), its
-  `LayerView` where it has one, and the map from the operand's space to the
-  parameters' (through the views and chain that made the operand).
-* `collect`, which checks an analysis's arguments and returns the hand-marked
-  layers by record name and the found uses grouped by parameter path.
+  share one weight), d features, or `None` where the use has none. Per-example
+  gradient norms, K-FAC factors and the Gram forms of the batch-size tests are
+  computed from it;
+* `weighted_grads(c)`, `per_example_grads()`, `inner_products(v)`,
+  `sum_of_squares()`: `sum_i c_i grad_i` (one vjp), each example's gradient
+  (materialised), `<grad_i, v>` (one jvp) and `sum_i grad_i^2` where a cheap form
+  exists, by key as `LayerParams`.
+
+A found use computes these through the operation itself and the map from the
+operand's space to the parameters' (through the views and chain that made the
+operand).
 
 Layouts. A hand-marked record is `(*calls, batch, *positions, features)`; a found
 use's operands are `(*calls, *operand)` with the batch axis where its `UseSpec`
@@ -35,21 +40,43 @@ Sharp edges:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog.record import _record_layers
-from oryx_gradlog.record._layers import (
-    CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM, LayerInputs, normalize, _WEIGHT_RANK)
+from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED
+from oryx_gradlog.record._layers import HIGHEST, LayerInputs, WEIGHT_RANK
 from oryx_gradlog.record._record import VJPRecord
-from oryx_gradlog.record._record_layers import (
-    CONV as FOUND_CONV, DENSE as FOUND_DENSE, ELEMENTWISE, EMBED as FOUND_EMBED, GENERIC,
-    UNSUPPORTED, LayerUse, Lineage)
+from oryx_gradlog.record._record_layers import LayerUse, Lineage
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+  """A per-parameter quantity of one layer, shaped like its parameters.
+
+  Attributes:
+    w: like the weight, `(*calls, d_in, d_out)` for a dense layer (the kernel, table
+      or layer-norm scale for the other layer kinds; the parameter itself for a
+      parameter path of `gl.record_layers`).
+    b: like the bias (or layer-norm offset), or `None` for a layer without one (and
+      for a parameter path).
+  """
+
+  w: jax.Array
+  b: jax.Array | None
+
+  def __add__(self, other: LayerParams) -> LayerParams:
+    b = (self.b if other.b is None else other.b if self.b is None
+         else self.b + other.b)
+    return LayerParams(self.w + other.w, b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,191 +126,23 @@ def call_axes(record: VJPRecord) -> int:
   layer = record.primals[0]
   if isinstance(layer, LayerUse):
     return len(layer.spec.calls)
-  return layer.w.ndim - _WEIGHT_RANK[layer.kind]
+  return layer.w.ndim - WEIGHT_RANK[layer.kind]
 
 
-def _float(x):
+def as_float(x: jax.Array) -> jax.Array:
+  """`x` in at least float32."""
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 # ----------------------------------------------------------------------------------
-# Choosing the records an analysis reads.
+# The canonical view.
 
 
-@dataclasses.dataclass(frozen=True)
-class Selection:
-  """The layer records an analysis reads (internal).
-
-  Attributes:
-    hand: hand-marked layer records, by record name.
-    found: found uses, grouped by parameter path (a use that reads several
-      parameters is in each of their groups).
-    tied: the hand-marked names whose calls share one weight.
-  """
-
-  hand: dict[str, VJPRecord]
-  found: dict[str, list[FoundUse]]
-  tied: set[str]
-
-  @property
-  def names(self) -> list[str]:
-    return [*self.hand, *self.found]
-
-  @property
-  def uses(self) -> list[FoundUse]:
-    """Every found use once (a use of several parameters is in several groups)."""
-    return list({u.name: u for group in self.found.values() for u in group}.values())
-
-  def weighted(self, factors: jax.Array) -> dict[str, jax.Array]:
-    """Per found parameter path, `sum_i c_i grad_i` (of the recorded loss): each use's
-    vjp at the cotangent `c g`, mapped to the parameters and summed over uses."""
-    totals: dict[str, jax.Array] = {}
-    for use in self.uses:
-      for path, grad in use.to_params(use.weighted(factors), lead=0).items():
-        totals[path] = totals[path] + grad if path in totals else grad
-    return {path: totals[path] for path in self.found if path in totals}
-
-  def per_example(self, path: str) -> jax.Array:
-    """`(B, *param)`: parameter `path`'s per-example gradients (of the recorded
-    loss), formed: each use's, mapped to the parameter and summed over uses."""
-    total = None
-    for use in self.found[path]:
-      grad = use.to_params(use.per_example(), lead=1)[path]
-      total = grad if total is None else total + grad
-    return total
-
-
-def collect(api: str, records: dict[str, Any], names: Sequence[str] | None,
-            kinds: Sequence[str], tied: Collection[str] = (),
-            found_kinds: Sequence[str] | None = None) -> Selection:
-  """Checks an analysis's arguments; returns the layer records it reads.
-
-  `names` name hand-marked records or, for found records, parameter paths (every use
-  of the parameter is read). `kinds` are the hand-marked kinds the analysis takes;
-  `found_kinds` the found ones (default: all but unsupported; an unsupported use
-  selected is an error that says why).
-  """
-  if not isinstance(records, dict):
-    raise TypeError(
-        f"{api}: expected the dict of records that gl.reap or gl.call_and_reap returns, "
-        f"got {type(records).__name__}.")
-  found_kinds = tuple(found_kinds or (FOUND_DENSE, FOUND_CONV, FOUND_EMBED, ELEMENTWISE,
-                                      GENERIC))
-  tied = {tied} if isinstance(tied, str) else set(tied)
-  missing = sorted(tied - set(records))
-  if missing:
-    raise ValueError(
-        f"{api}(tied=...): {missing} are not among the records {sorted(records)}.")
-  found_tied = sorted(n for n in tied if is_found_record(records[n]))
-  if found_tied:
-    raise ValueError(
-        f"{api}(tied=...): {found_tied} were found by gl.record_layers, which knows "
-        "which calls share a weight; leave them out of tied.")
-  uses: dict[str, list[FoundUse]] = {}
-  for name, record in records.items():
-    if is_found_record(record):
-      use = FoundUse.of(name, record)
-      for path in use.spec.paths or (name,):
-        uses.setdefault(path, []).append(use)
-  if names is None:
-    hand = {n: r for n, r in records.items()
-            if is_layer_record(r) and r.primals[0].kind in kinds}
-    found = {p: u for p, u in uses.items()}
-    if not hand and not found:
-      raise ValueError(
-          f"{api}: none of the records {sorted(records)} is a layer record. Record "
-          "layers with gl.record_layers(loss) (any model, unchanged), or mark them "
-          "with gl.dense, gl.conv2d, gl.embed or gl.layer_norm.")
-  else:
-    names = [names] if isinstance(names, str) else list(names)
-    hand, found, bad = {}, {}, []
-    for name in names:
-      record = records.get(name)
-      if name in uses:
-        found[name] = uses[name]
-      elif record is None:
-        bad.append(f"{name!r} is neither a record nor a parameter path among "
-                   f"{sorted(set(records) | set(uses))}")
-      elif not is_layer_record(record):
-        bad.append(f"{name!r} is not a layer record (record the model with "
-                   "gl.record_layers, or mark the layer with gl.dense, gl.conv2d or "
-                   "gl.embed)")
-      elif record.primals[0].kind not in kinds:
-        bad.append(f"{name!r} is a layer of kind {record.primals[0].kind!r}, which "
-                   f"{api} does not support (it supports {', '.join(kinds)}); leave it "
-                   "out of names")
-      else:
-        hand[name] = record
-    if bad:
-      raise ValueError(f"{api}(names=...): " + "; ".join(bad) + ".")
-  problems = []
-  for path, group in found.items():
-    for use in group:
-      if use.spec.kind == UNSUPPORTED:
-        problems.append(f"parameter {path!r} in record {use.name!r}: {use.spec.where} is "
-                        f"not supported because {use.spec.reason}")
-      elif use.spec.kind not in found_kinds:
-        problems.append(f"parameter {path!r} in record {use.name!r}: {api} does not "
-                        f"support uses of kind {use.spec.kind!r} ({use.spec.where}); "
-                        "leave the parameter out of names")
-  if problems:
-    raise ValueError(
-        f"{api}: " + "; ".join(dict.fromkeys(problems)) + ". Per-example gradients need "
-        "each example's loss to depend on that example alone: use layer or group norm "
-        "instead of batch norm, and add weight decay in the optimizer "
-        "(optax.add_decayed_weights) rather than to the loss"
-        + ("" if api == "clipped_grad" else "; or pass names=[...] without these "
-           "parameters to analyse the others") +
-        ". gl.layer_coverage lists every parameter and how it is covered.")
-  return Selection(hand, found, tied)
-
-
-# ----------------------------------------------------------------------------------
-# Hand-marked layers.
-
-
-def positions(api: str, name: str, record: VJPRecord, *, tied: bool) -> LayerView:
-  """Returns the canonical `(S, B, T, d)` view of a hand-marked layer record."""
-  layer, g = record.primals[0], record.out_cotangent
-  w, x = layer.w, layer.x
-  stack = tuple(w.shape[:call_axes(record)])
-  n = len(stack)
-  per_call_rank = {DENSE: 2, CONV2D: 4, EMBED: 1, LAYER_NORM: 2}[layer.kind]
-  if x.ndim < n + per_call_rank:
-    raise ValueError(
-        f"{api}: record {name!r} has input x of shape {x.shape} and {n} call axes "
-        f"{stack}, which leaves no example axis. Per-example analyses take the records "
-        "of one backward pass of the batch loss: apply the layer to a batch, or inside "
-        "a vmap over the examples of the batch (not to a single example).")
-  if g is None:
-    raise ValueError(f"{api}: record {name!r} has no output cotangent.")
-  options = layer.options
-  groups, vocabulary = 1, 0
-  if layer.kind == CONV2D:
-    spec = lax.conv_dimension_numbers(x.shape[-4:], w.shape[n:], options["dimension_numbers"])
-    lead = x.ndim - n - 4  # Vmapped per-example code: the vmap axes, then N.
-    x, g = _conv_patches(x, w.shape[n:], g, spec, options, n, lead + 1)
-    groups = options["feature_group_count"]
-  else:
-    if layer.kind == LAYER_NORM:  # Its scale multiplies the normalised input.
-      x = normalize(_float(x), options["eps"])
-    batch = x.shape[n]
-    size = math.prod(stack)
-    x = x.reshape((size, batch, -1) + x.shape[x.ndim - per_call_rank + 1:])
-    g = g.reshape((size, batch, -1, g.shape[-1]))
-    if layer.kind == EMBED:
-      vocabulary = w.shape[-2]
-  has_bias = layer.b is not None or options.get("bias", False)
-  if tied:
-    x, g, stack = _fold_tied(x, g, stack, [True] * len(stack))
-  return _finish(layer.kind, x, g, stack, groups, vocabulary, has_bias)
-
-
-def _finish(kind, x, g, stack, groups, vocabulary, has_bias) -> LayerView:
+def finish(kind, x, g, stack, groups, vocabulary, has_bias) -> LayerView:
   """Casts to float, adds the bias sums and folds feature groups into S."""
-  g = _float(g)
+  g = as_float(g)
   if kind != EMBED:
-    x = _float(x)
+    x = as_float(x)
   bias_g = jnp.sum(g, axis=2) if has_bias else None
   if groups > 1:  # Groups are independent dense layers: fold them into S.
     s, b, t = g.shape[:3]
@@ -292,7 +151,7 @@ def _finish(kind, x, g, stack, groups, vocabulary, has_bias) -> LayerView:
   return LayerView(kind, x, g, bias_g, tuple(stack), groups, vocabulary)
 
 
-def _fold_tied(x, g, stack, tied_calls):
+def fold_tied(x, g, stack, tied_calls):
   """Moves the calls that share one weight into positions: `(S, B, T, d)` arrays
   whose S was flattened from `stack`, to S over the stacked calls only."""
   if not any(tied_calls):
@@ -313,7 +172,7 @@ def _fold_tied(x, g, stack, tied_calls):
   return fold_one(x), fold_one(g), keep
 
 
-def _conv_patches(x, w_shape, g, spec, options, n, lead):
+def conv_patches(x, w_shape, g, spec, options, n, lead):
   """Patches of the input and cotangents per output pixel, `(S, B, T, d)`.
 
   `x` is `(*calls, *lead axes, C and spatial axes...)` laid out by `spec` over its
@@ -420,6 +279,50 @@ class FoundUse:
     return (self.spec.chain is None and len(self.spec.param_args) == 1
             and self.spec.lineages[0].isometric)
 
+  @property
+  def kind(self) -> str:
+    return self.spec.kind
+
+  @property
+  def keys(self) -> tuple[str, ...]:
+    """The parameter paths this use reads: its result keys."""
+    return self.spec.paths or (self.name,)
+
+  @property
+  def keeps_calls(self) -> bool:
+    """Results are per parameter path: the calls are summed into the parameter."""
+    return False
+
+  def values(self) -> None:
+    """A found use holds no parameter values of its own (the analyses take `params`)."""
+    return None
+
+  # The interface every layer use has (`MarkedUse` too), by result key.
+  def weighted_grads(self, c: jax.Array) -> dict[str, LayerParams]:
+    """Per parameter path, `sum_i c_i grad_i` (of the recorded loss)."""
+    return {path: LayerParams(grad, None)
+            for path, grad in self.to_params(self.weighted(c), lead=0).items()}
+
+  def per_example_grads(self) -> dict[str, LayerParams]:
+    """Per parameter path, each example's gradient (of the recorded loss), `(B, *w)`."""
+    return {path: LayerParams(grad, None)
+            for path, grad in self.to_params(self.per_example(), lead=1).items()}
+
+  def inner_products(self, directions: dict[str, LayerParams]) -> jax.Array:
+    """`(B,)`: `<grad_i, v>` (of the recorded loss), `v` by parameter path."""
+    return self.products(self.from_params({p: d.w for p, d in directions.items()}))
+
+  def sum_of_squares(self, chunk_size: int | None = None) -> dict[str, LayerParams] | None:
+    """`sum_i grad_i^2` (of the recorded loss) of a dense use of a view of one leaf
+    with one position per example, as `(x^2)^T (g^2)`; else `None`."""
+    del chunk_size
+    square = self.dense_sum_of_squares() if self.simple else None
+    if square is None:
+      return None
+    # Views of one leaf carry squares as they carry values.
+    return {path: LayerParams(value, None)
+            for path, value in self.to_params([square], lead=0).items()}
+
   # Per call, the use as a function of its parameter operand(s).
   def _per_call(self, fn):
     """`fn(operands, g, chain_inputs)` vmapped over the call axes."""
@@ -451,7 +354,7 @@ class FoundUse:
     whichever of the data operand and `g` is smaller (`sum_i c_i x_i^T g_i =
     (c x)^T g`); uses that read one input (query, key and value) then scale one copy.
     """
-    x_arg = {FOUND_DENSE: 1 - self.spec.param_args[0], FOUND_CONV: 0}.get(self.spec.kind)
+    x_arg = {DENSE: 1 - self.spec.param_args[0], CONV: 0}.get(self.spec.kind)
 
     def fn(operands, g, _):
       ws = [operands[i] for i in self.spec.param_args]
@@ -473,7 +376,7 @@ class FoundUse:
     def fn(operands, g, _, v):
       ws = [operands[i] for i in self.spec.param_args]
       _, tangent = jax.jvp(self._of_w(operands), ws, [t.astype(w.dtype) for t, w in zip(v, ws)])
-      p = _float(g) * _float(tangent)
+      p = as_float(g) * as_float(tangent)
       p = jnp.moveaxis(p, axis, 0)
       return jnp.sum(p.reshape(p.shape[0] // factor, -1), axis=1)
 
@@ -486,13 +389,13 @@ class FoundUse:
     """Per parameter operand, the per-example gradients `(B, *calls, *w)` (of the
     recorded loss), formed."""
     kind = self.spec.kind
-    if kind == FOUND_DENSE:
+    if kind == DENSE:
       grads = (self._dense_per_example(),)
-    elif kind == FOUND_EMBED:
+    elif kind == EMBED:
       grads = (self._embed_per_example(),)
     elif kind == ELEMENTWISE:
       grads = (self._per_call(self._elementwise_per_example),)
-    elif kind == FOUND_CONV:
+    elif kind == CONV:
       grads = (self._per_call(self._sliced_per_example),)
     else:
       grads = self._per_call(self._masked_per_example)
@@ -552,11 +455,11 @@ class FoundUse:
   def view(self, force: bool = False) -> LayerView | None:
     """The `LayerView` of a dense, convolution or embedding use whose operand keeps
     its parameter's norms (any such use with `force`), else `None`."""
-    if self.spec.kind not in (FOUND_DENSE, FOUND_CONV, FOUND_EMBED) or not (
+    if self.spec.kind not in (DENSE, CONV, EMBED) or not (
         self.simple or force):
       return None
     n = self.n_calls
-    if self.spec.kind == FOUND_DENSE:
+    if self.spec.kind == DENSE:
       x, g, groups = self._dense_canonical()  # (*calls, G, B, T, d)
       # Groups as the major factor of the features, as _finish expects.
       def flat(a):
@@ -564,7 +467,7 @@ class FoundUse:
         return a.reshape((math.prod(a.shape[:n]),) + a.shape[n:n + 2] + (-1,))
       x, g = flat(x), flat(g)
       kind, vocabulary = DENSE, 0
-    elif self.spec.kind == FOUND_CONV:
+    elif self.spec.kind == CONV:
       x, g, groups = self._conv_canonical()
       kind, vocabulary = DENSE, 0
     else:
@@ -573,8 +476,8 @@ class FoundUse:
       groups, kind = 1, EMBED
       vocabulary = self.spec.avals[0].shape[0]
     stack = tuple(self.g.shape[:self.n_calls])
-    x, g, stack = _fold_tied(x, g, stack, self.tied_calls)
-    return _finish(kind, x, g, stack, groups, vocabulary, False)
+    x, g, stack = fold_tied(x, g, stack, self.tied_calls)
+    return finish(kind, x, g, stack, groups, vocabulary, False)
 
   def _dense_parts(self):
     spec = self.spec
@@ -615,7 +518,7 @@ class FoundUse:
     g_shape = self.g.shape[n:]
     g = g.reshape(calls + (groups, x_shape[batch_axis], -1, math.prod(
         g_shape[p] for p in w_pos)))
-    return _float(x), _float(g), groups
+    return as_float(x), as_float(g), groups
 
   def _dense_per_example(self):
     """`(*calls, B, *w)`: `x_i^T g_i` per example, in the parameter operand's layout."""
@@ -635,7 +538,7 @@ class FoundUse:
   def dense_sum_of_squares(self) -> jax.Array | None:
     """`(*calls, *w)`: `sum_i (x_i^T g_i)^2` of a dense use with one position per
     example and no shared calls, as `(x^2)^T (g^2)`; else `None`."""
-    if self.spec.kind != FOUND_DENSE or any(self.tied_calls):
+    if self.spec.kind != DENSE or any(self.tied_calls):
       return None
     x, g, _ = self._dense_canonical()
     if x.shape[-2] != 1:
@@ -658,7 +561,7 @@ class FoundUse:
     x, g = self.operands[0], self.g
     # Put the examples in a lead axis of their own: N = B * factor, examples outer.
     del axis
-    x, g = _conv_patches(x, spec.avals[1].shape, g, dims, options, n, 1)
+    x, g = conv_patches(x, spec.avals[1].shape, g, dims, options, n, 1)
     return x, g, params["feature_group_count"]
 
   def _embed_canonical(self):
@@ -675,7 +578,7 @@ class FoundUse:
     g = jnp.moveaxis(self.g, n + axis, n).reshape(calls + (batch, -1, d))
     valid = (ids >= 0) & (ids < table_shape[0])
     g = jnp.where(valid[..., None], g, 0)
-    return jnp.clip(ids, 0, table_shape[0] - 1), _float(g)
+    return jnp.clip(ids, 0, table_shape[0] - 1), as_float(g)
 
   def _embed_per_example(self):
     n = self.n_calls

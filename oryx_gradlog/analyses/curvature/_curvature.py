@@ -37,8 +37,9 @@ over positions has cross terms), so the per-example gradients `x_i^T g_i` are
 materialised, all at once or `chunk_size` examples at a time.
 
 Sharp edges:
-  * Dense layers only; conv2d and embedding records are an error when named (and
-    skipped when `names` is not given).
+  * `kfac_factors` takes dense layers only: other layers are an error when named (and
+    skipped when `names` is not given). `sum_grad_squared` and `gradient_variance`
+    take every layer record; other kinds than dense form their per-example gradients.
   * Results have the record's call axes in front: `(*calls, d_in(+1), d_in(+1))` for
     `A`, `(*calls, d_in, d_out)` for `w`; tied names (`tied=...`) have none.
   * Unlike BackPACK, the per-example gradients are those of `l_i` itself, not of
@@ -55,13 +56,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from oryx_gradlog.analyses.per_example import _ghost
-from oryx_gradlog.record import _view
-from oryx_gradlog.record._layers import DENSE
-from oryx_gradlog.record._record_layers import DENSE as FOUND_DENSE
-from oryx_gradlog.record._view import LayerView
+from oryx_gradlog.analyses import _common
+from oryx_gradlog.record._kinds import DENSE
+from oryx_gradlog.record._selection import Selection
+from oryx_gradlog.record._view import LayerParams, LayerView, as_float
 
 _APPROXIMATIONS = ("expand", "reduce")
 
@@ -83,37 +82,21 @@ class KFACFactors:
   g: jax.Array
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=[]
-)
-@dataclasses.dataclass(frozen=True)
-class LayerParams:
-  """A per-parameter quantity of one layer, shaped like its parameters.
-
-  Attributes:
-    w: like the weight, `(*calls, d_in, d_out)` for a dense layer (the kernel, table
-      or layer-norm scale for the other layer kinds).
-    b: like the bias (or layer-norm offset), or `None` for a layer without one.
-  """
-
-  w: jax.Array
-  b: jax.Array | None
-
-
-def _selection(api, records, names, tied, reduction, found_kinds=None):
-  return _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
-                       method="auto", kinds=(DENSE,), found_kinds=found_kinds)
-
-
-def _dense_views(api, selection: _view.Selection, reduction):
-  """Hand-marked dense layers by name, then found dense uses by record name."""
-  for name, record in selection.hand.items():
-    view = _view.positions(api, name, record, tied=name in selection.tied)
-    yield name, view, _ghost.loss_scale(reduction, view.batch_size)
+def _dense_views(api, selection: Selection, reduction, names):
+  """The views of the dense uses, by record name (a hand-marked record's name is its
+  key; a found use's is its record name)."""
+  dense = {u.name for u in selection.uses if u.kind == DENSE}
+  if names is not None:
+    bad = [f"{key!r} is a layer of kind {uses[0].kind!r}, which {api} does not support "
+           "(it supports 'dense'); leave it out of names"
+           for key, uses in selection.groups.items()
+           if not any(u.name in dense for u in uses)]
+    if bad:
+      raise ValueError(f"{api}(names=...): " + "; ".join(bad) + ".")
   for use in selection.uses:
-    if use.spec.kind == FOUND_DENSE:
+    if use.name in dense:
       view = use.view(force=True)
-      yield use.name, view, _ghost.loss_scale(reduction, view.batch_size)
+      yield use.name, view, _common.loss_scale(reduction, view.batch_size)
 
 
 def _unstack(view: LayerView, x: jax.Array) -> jax.Array:
@@ -159,86 +142,52 @@ def kfac_factors(
         f"{api}(approximation={approximation!r}): approximation must be 'expand' or "
         "'reduce' (Eschenhagen et al. 2023); they agree for inputs without positions.")
   factors = {}
-  selection = _selection(api, records, names, tied, reduction)
-  for name, view, scale in _dense_views(api, selection, reduction):
+  selection = _common.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method="auto")
+  for name, view, scale in _dense_views(api, selection, reduction, names):
     x, g = view.x, scale * view.g
     if view.bias_g is not None:
       x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
     batch, positions = g.shape[1], g.shape[2]
     if approximation == "expand":
-      a = _ghost.dot("sbtd,sbte->sde", x, x) / (batch * positions)
-      gg = _ghost.dot("sbtd,sbte->sde", g, g) / batch
+      a = _common.dot("sbtd,sbte->sde", x, x) / (batch * positions)
+      gg = _common.dot("sbtd,sbte->sde", g, g) / batch
     else:
       x, g = jnp.mean(x, axis=2), jnp.sum(g, axis=2)
-      a, gg = _ghost.dot("sbd,sbe->sde", x, x) / batch, _ghost.dot("sbd,sbe->sde", g, g) / batch
+      a, gg = _common.dot("sbd,sbe->sde", x, x) / batch, _common.dot("sbd,sbe->sde", g, g) / batch
     factors[name] = KFACFactors(_unstack(view, a), _unstack(view, gg))
   return factors
 
 
-def _sum_of_squares(x, g, chunk_size):
-  """`(S, d_in, d_out)`: sum over examples of the squared `x_i^T g_i`."""
-  if x.shape[2] == 1:
-    return _ghost.dot("sbd,sbe->sde", x[:, :, 0] ** 2, g[:, :, 0] ** 2)
-  batch = x.shape[1]
-  if chunk_size is None or chunk_size >= batch:
-    per_example = _ghost.dot("sbtd,sbte->sbde", x, g)
-    return jnp.sum(per_example * per_example, axis=1)
-  if batch % chunk_size:
-    raise ValueError(
-        f"sum_grad_squared(chunk_size={chunk_size}): the batch size {batch} is not a "
-        "multiple of chunk_size. Pass a divisor of the batch size, or None.")
-
-  def chunks(a):
-    a = a.reshape((a.shape[0], batch // chunk_size, chunk_size) + a.shape[2:])
-    return jnp.moveaxis(a, 1, 0)
-
-  def step(total, chunk):
-    per_example = _ghost.dot("sbtd,sbte->sbde", *chunk)
-    return total + jnp.sum(per_example * per_example, axis=1), None
-
-  zeros = jnp.zeros((x.shape[0], x.shape[3], g.shape[3]), g.dtype)
-  return lax.scan(step, zeros, (chunks(x), chunks(g)))[0]
-
-
 def _moments(api, records, reduction, names, tied, chunk_size, centred):
+  """Per key, `sum_i grad_i^2` (or the variance) of the per-example losses' gradients."""
+  selection = _common.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method="auto")
+  batch = _common.one_batch_size(api, selection.batch_sizes)
+  scale = _common.loss_scale(reduction, batch)
+  means = selection.weighted(jnp.ones(batch)) if centred else {}
   results = {}
-  selection = _selection(api, records, names, tied, reduction)
-  for name, record in selection.hand.items():
-    view = _view.positions(api, name, record, tied=name in selection.tied)
-    scale = _ghost.loss_scale(reduction, view.batch_size)
-    batch = view.batch_size
-    w = scale * scale * _sum_of_squares(view.x, view.g, chunk_size)
-    b = None if view.bias_g is None else scale * scale * jnp.sum(view.bias_g ** 2, axis=1)
+  for key in selection.groups:
+    square = jax.tree.map(lambda v: scale * scale * v,
+                          sum_of_squares(selection, key, chunk_size))
     if centred:
-      mean_w = (scale / batch) * _ghost.dot("sbtd,sbte->sde", view.x, view.g)
-      w = jnp.maximum(w / batch - mean_w * mean_w, 0.0)
-      if b is not None:
-        mean_b = (scale / batch) * jnp.sum(view.bias_g, axis=1)
-        b = jnp.maximum(b / batch - mean_b * mean_b, 0.0)
-    results[name] = LayerParams(_unstack(view, w), None if b is None else _unstack(view, b))
-  if selection.found:
-    batch = _ghost.one_batch_size(api, {p: u[0].batch_size for p, u in selection.found.items()})
-    scale = _ghost.loss_scale(reduction, batch)
-    means = selection.weighted(jnp.ones(batch)) if centred else {}
-    for path, uses in selection.found.items():
-      square = found_sum_of_squares(selection, path)
-      w = scale * scale * square
-      if centred:
-        mean = (scale / batch) * _ghost.as_float(means[path])
-        w = jnp.maximum(w / batch - mean * mean, 0.0)
-      results[path] = LayerParams(w, None)
+      mean = jax.tree.map(lambda v: (scale / batch) * as_float(v), means[key])
+      square = jax.tree.map(lambda s, m: jnp.maximum(s / batch - m * m, 0.0), square, mean)
+    results[key] = square
   return results
 
 
-def found_sum_of_squares(selection: _view.Selection, path: str) -> jax.Array:
-  """`sum_i grad_i^2` (of the recorded loss) of one found parameter."""
-  uses = selection.found[path]
-  if len(uses) == 1 and uses[0].simple:
-    square = uses[0].dense_sum_of_squares()
-    if square is not None:  # Views of one leaf carry squares as they carry values.
-      return uses[0].to_params([square], lead=0)[path]
-  per_example = _ghost.as_float(selection.per_example(path))
-  return jnp.sum(per_example * per_example, axis=0)
+def sum_of_squares(selection: Selection, key: str, chunk_size: int | None = None,
+                   ) -> LayerParams:
+  """`sum_i grad_i^2` (of the recorded loss) of one key: from the use's own cheap
+  form where it has one (dense layers), else from the formed per-example gradients."""
+  uses = selection.groups[key]
+  if len(uses) == 1:
+    square = uses[0].sum_of_squares(chunk_size)
+    if square is not None:
+      return square[key]
+  per_example = selection.per_example(key)
+  return jax.tree.map(lambda v: jnp.sum(as_float(v) ** 2, axis=0), per_example)
 
 
 def sum_grad_squared(

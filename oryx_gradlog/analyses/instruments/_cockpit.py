@@ -106,12 +106,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from oryx_gradlog.analyses.per_example import _clip, _ghost
+from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.curvature import _hessian
 from oryx_gradlog.analyses.instruments import _histograms, _instruments
 from oryx_gradlog.analyses.instruments import _step_quality
-from oryx_gradlog.analyses.curvature._curvature import LayerParams
-from oryx_gradlog.record import _view
+from oryx_gradlog.record._selection import collect
 
 ECONOMY = ("alpha", "distance", "grad_hist_1d", "grad_norm", "inner_product_test", "loss",
            "norm_test", "orthogonality_test", "update_size")
@@ -257,85 +256,6 @@ def _schedule(every) -> Schedule:
   return linear_schedule(every)
 
 
-def _layer_sources(api, records, selected, params, where):
-  """Per record name, the indices of its weight and bias among `params`' leaves.
-
-  From `where` (a tree like `params` of 'NAME.w' / 'NAME.b' / None) if given, else
-  by identity: the record's weight is the very array (tracer) passed in `params`.
-  """
-  leaves = jax.tree.leaves(params)
-  sources = {name: [None, None] for name in selected}
-  if where is not None:
-    paths, treedef = jax.tree.flatten(where, is_leaf=lambda v: v is None)
-    if treedef != jax.tree.structure(params):
-      raise ValueError(f"{api}: `where` has the structure {treedef} but `params` has "
-                       f"{jax.tree.structure(params)}; give it the structure of the "
-                       "parameters with 'NAME.w', 'NAME.b' or None at each leaf.")
-    for i, path in enumerate(paths):
-      name, _, field = (path or "").rpartition(".")
-      if name in sources and field in ("w", "b"):
-        sources[name]["wb".index(field)] = i
-  else:
-    index = {id(v): i for i, v in enumerate(leaves)}
-    for name in selected:
-      layer = records[name].primals[0]
-      sources[name] = [_find(layer.w, leaves, index), _find(layer.b, leaves, index)]
-  missing, bad = [], []
-  for name, (w, b) in sources.items():
-    layer = records[name].primals[0]
-    has_bias = layer.b is not None or layer.options.get("bias", False)
-    if w is None or (has_bias and b is None):
-      missing.append(name)
-    for field, i, value in (("w", w, layer.w), ("b", b, layer.b)):
-      if i is not None and value is not None and (
-          jnp.ndim(leaves[i]) > value.ndim
-          or value.shape[value.ndim - jnp.ndim(leaves[i]):] != jnp.shape(leaves[i])):
-        bad.append(f"'{name}.{field}' is recorded with shape {value.shape} but its "
-                   f"parameter has {jnp.shape(leaves[i])}")
-  if bad:
-    raise ValueError(f"{api}: " + "; ".join(bad) + ". `where` places parameters that "
-                     "the layers use as they are (not transposed or reshaped).")
-  if missing:
-    raise ValueError(
-        f"{api}: the layer records {missing} have a weight or bias that is not a leaf of "
-        "`params` (alpha's per-example slopes and tic_diag need each layer's slice of a "
-        "parameter-shaped tree). Pass where= to training_instruments, a tree like the "
-        "parameters with 'NAME.w' / 'NAME.b' (or None) at each leaf, or leave those "
-        "layers out with names=.")
-  return sources
-
-
-def _find(value, leaves, index):
-  """The index of `value` among `leaves`: the same array or tracer, or, outside any
-  trace (eager), the one leaf with the same shape and values."""
-  if value is None or id(value) in index:
-    return None if value is None else index[id(value)]
-  if isinstance(value, jax.core.Tracer):
-    return None
-  same = [i for i, leaf in enumerate(leaves)
-          if not isinstance(leaf, jax.core.Tracer) and jnp.shape(leaf) == jnp.shape(value)
-          and bool(jnp.array_equal(leaf, value))]
-  return same[0] if len(same) == 1 else None
-
-
-def _found_leaves(api, selection, tree) -> dict[str, Any]:
-  """`tree` (shaped like the parameters `gl.record_layers` recorded) by parameter path."""
-  param_tree = selection.uses[0].spec.tree
-  if jax.tree.structure(tree) != param_tree.treedef:
-    raise ValueError(
-        f"{api}: the parameters have the structure {jax.tree.structure(tree)} but the "
-        f"records were made by gl.record_layers with parameters of structure "
-        f"{param_tree.treedef}; pass the parameters the recorded function took.")
-  leaves = param_tree.treedef.flatten_up_to(tree)
-  return {path: leaf for path, leaf in zip(param_tree.paths, leaves) if path is not None}
-
-
-def _to_layers(tree, sources) -> dict[str, LayerParams]:
-  leaves = jax.tree.leaves(tree)
-  return {name: LayerParams(leaves[w], None if b is None else leaves[b])
-          for name, (w, b) in sources.items()}
-
-
 def training_instruments(
     preset: str | Sequence[str] = "economy",
     *,
@@ -441,26 +361,13 @@ def training_instruments(
         key=key if curvature else None)
 
   def selection_of(records):
-    return _view.collect(f"{api}.update", records, names, _ghost.NORM_KINDS, tied)
+    return collect(f"{api}.update", records, names, tied=tied)
 
-  def selected(records):
-    return list(selection_of(records).hand)
-
-  def slopes(records, direction, sources, tied_names):
-    """`(B,)`: per example, `<grad l_i, direction>` over the recorded layers."""
-    layers = _to_layers(direction, sources)
-    total = 0.0
-    for name, layer_direction in layers.items():
-      products = _clip.per_example_inner_products(records[name], layer_direction,
-                                                  name in tied_names)
-      total = total + products
-    selection = selection_of(records)
-    if selection.found:  # Found uses: by parameter path, a jvp per use.
-      directions = _found_leaves(f"{api}.update", selection, direction)
-      for use in selection.uses:
-        total = total + use.products(use.from_params(directions))
-    batch = total.shape[0]
-    return _ghost.loss_scale(reduction, batch) * total
+  def slopes(selection, directions):
+    """`(B,)`: per example, `<grad l_i, direction>` over the recorded layers, the
+    direction by key (`Selection.split`)."""
+    total = selection.products(directions)
+    return _common.loss_scale(reduction, total.shape[0]) * total
 
   def moment_readings(records, loss, learning_rate, params):
     readings = {}
@@ -483,13 +390,10 @@ def training_instruments(
       mean_loss = loss / batch if reduction == "sum" else loss
       readings["cabs"] = learning_rate * sum(jnp.sum(s - g2) for g2, s in mean_sq) / mean_loss
     if hists:
-      tied_names = _ghost.check_tied(f"{api}.update", records, tied)
       selection = selection_of(records)
-      values = (_found_leaves(f"{api}.update", selection, params) if selection.found
-                else None)
-      hist = _histograms.histograms_from_moments(moments, records, tied_names,
-                                                 two_d="grad_hist_2d" in wants,
-                                                 values=values)
+      values = {**selection.values(), **selection.by_path(f"{api}.update", params)}
+      hist = _histograms.histograms_from_moments(moments, values,
+                                                 two_d="grad_hist_2d" in wants)
       if "grad_hist_1d" in wants:
         readings["grad_hist_1d"] = {"counts": hist.counts_1d, "edges": hist.edges_1d}
       if "grad_hist_2d" in wants:
@@ -532,11 +436,10 @@ def training_instruments(
       readings[PER_PARAMETER] = per_parameter
     begun = None
     if weighted:
-      sources = _layer_sources(f"{api}.update", records, selected(records), params, where)
-      tied_names = _ghost.check_tied(f"{api}.update", records, tied)
+      selection = selection_of(records)
+      split = lambda tree: selection.split(f"{api}.update", tree, params, where)
       loss_1 = (jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1))
-      slope_var = jnp.var(slopes(records, state.previous_update, sources, tied_names),
-                          ddof=1)
+      slope_var = jnp.var(slopes(selection, split(state.previous_update)), ddof=1)
       size = jnp.sqrt(sum(sums["previous_size"]))
       safe = jnp.where(size == 0, 1.0, size)
       slope_1 = sum(sums["slope_1"])
@@ -548,7 +451,7 @@ def training_instruments(
       readings["alpha"] = jnp.where(state.step > 0, alpha, jnp.nan)
       if start:
         begun = (loss_1, (sum(sums["slope_0"]), jnp.var(
-            slopes(records, updates, sources, tied_names), ddof=1)))
+            slopes(selection, split(updates)), ddof=1)))
     elif wants_alpha:
       alpha = _step_quality.step_alpha(state.previous_loss[0], state.previous_slope[0],
                                        loss, sum(sums["slope_1"]), fit="unweighted")
@@ -565,10 +468,10 @@ def training_instruments(
     if not weighted:
       zero = jnp.zeros((), jnp.float32)
       return (jnp.asarray(loss, jnp.float32), zero), (slope, zero)
-    sources = _layer_sources(f"{api}.update", records, selected(records), params, where)
-    tied_names = _ghost.check_tied(f"{api}.update", records, tied)
+    selection = selection_of(records)
+    directions = selection.split(f"{api}.update", updates, params, where)
     return ((jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1)),
-            (slope, jnp.var(slopes(records, updates, sources, tied_names), ddof=1)))
+            (slope, jnp.var(slopes(selection, directions), ddof=1)))
 
   def measure_curvature(records, hessian_loss, params, key):
     measured = {}
@@ -589,14 +492,8 @@ def training_instruments(
                        for v in jax.tree.leaves(m.sum_squares))
           measured["tic_trace"] = second / batch / (trace + _TIC_EPS)
         if "tic_diag" in wants:
-          selection = selection_of(records)
-          sources = _layer_sources(f"{api}.update", records, list(selection.hand), params,
-                                   where)
-          curvatures = _to_layers(diagonal, sources)
-          if selection.found:
-            curvatures.update({
-                path: LayerParams(leaf, None) for path, leaf in _found_leaves(
-                    f"{api}.update", selection, diagonal).items()})
+          curvatures = selection_of(records).split(f"{api}.update", diagonal, params,
+                                                    where)
           measured["tic_diag"] = sum(
               jnp.sum(s / batch / (h.reshape(s.shape) + _TIC_EPS))
               for name, m in moments.items()

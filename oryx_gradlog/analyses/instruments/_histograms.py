@@ -7,7 +7,7 @@ bins (as `torch.histc` of the clamped values). Its GradHist2d counts the pairs
 40 x 50 bins on `[-1, 1] x [-2, 2]`, both clamped to the centres of the edge bins.
 `gradient_histograms` computes both on the device from the layer records: each
 layer's per-example gradients are formed (the vjp of the layer at each example's
-cotangent, `_clip.per_example_grads`), binned, and summed over the layers; the
+cotangent, `Selection.per_example`), binned, and summed over the layers; the
 parameter values are the weights the records hold.
 
 Sharp edges:
@@ -32,9 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.analyses.instruments import _instruments
-from oryx_gradlog.record import _view
+from oryx_gradlog.record._selection import collect
 
 BINS_1D, RANGE_1D = 100, (-2.0, 2.0)
 BINS_2D, RANGE_2D = (40, 50), ((-1.0, 1.0), (-2.0, 2.0))
@@ -95,30 +94,25 @@ def _edges(bins, value_range):
   return jnp.linspace(value_range[0], value_range[1], bins + 1, dtype=jnp.float32)
 
 
-def histograms_from_moments(moments, records, tied, *, two_d: bool, bins_1d=BINS_1D,
+def histograms_from_moments(moments, values, *, two_d: bool, bins_1d=BINS_1D,
                             range_1d=RANGE_1D, bins_2d=BINS_2D, range_2d=RANGE_2D,
-                            values=None) -> GradientHistograms:
-  """The histograms from `layer_moments(..., per_example=True)` of `records`;
-  `values` gives found parameters' values by path (for the 2-D histogram)."""
+                            ) -> GradientHistograms:
+  """The histograms from `layer_moments(..., per_example=True)`; `values` gives the
+  parameters' values by key (`LayerParams`, for the 2-D histogram)."""
   grads = [v for m in moments.values() for v in jax.tree.leaves(m.per_example)]
   counts_1d = histogram_1d(grads, bins_1d, range_1d)
   counts_2d = edges_2d = None
   if two_d:
     pairs = []
-    for name, moment in moments.items():
-      if values is not None and name in values:  # A found parameter, by path.
-        pairs.append((moment.per_example.w, values[name][None]))
-        continue
-      if name not in records or not _view.is_layer_record(records[name]):
+    for key, moment in moments.items():
+      if key not in values:
         raise ValueError(
             f"gradient_histograms: the 2-D histogram needs the value of parameter "
-            f"{name!r}, which gl.record_layers's records do not hold: pass params=.")
-      layer = records[name].primals[0]
-      for grad, value in ((moment.per_example.w, layer.w), (moment.per_example.b, layer.b)):
+            f"{key!r}, which gl.record_layers's records do not hold: pass params=.")
+      for grad, value in ((moment.per_example.w, values[key].w),
+                          (moment.per_example.b, values[key].b)):
         if grad is None or value is None:  # dense_dot_general's bias is not recorded.
           continue
-        if name in tied:  # One weight for every call.
-          value = value.reshape((-1,) + grad.shape[1:])[0]
         pairs.append((grad, value[None]))
     counts_2d = histogram_2d(pairs, bins_2d, range_2d)
     edges_2d = (_edges(bins_2d[0], range_2d[0]), _edges(bins_2d[1], range_2d[1]))
@@ -163,16 +157,12 @@ def gradient_histograms(
     >>> [int(i) for i in jnp.nonzero(hist.counts_1d)[0]], int(hist.counts_2d.sum())
     ([0, 52], 2)
   """
+  api = "gradient_histograms"
   moments, _ = _instruments.layer_moments(
-      "gradient_histograms", records, reduction=reduction, names=names, tied=tied,
-      per_example=True)
-  tied = {tied} if isinstance(tied, str) else set(tied)
-  values = None
+      api, records, reduction=reduction, names=names, tied=tied, per_example=True)
+  selection = collect(api, records, names, tied=tied)
+  values = selection.values()
   if params is not None:
-    selection = _view.collect("gradient_histograms", records, names, _ghost.NORM_KINDS, tied)
-    if selection.found:
-      tree = selection.uses[0].spec.tree
-      values = {p: v for p, v in zip(tree.paths, tree.treedef.flatten_up_to(params)) if p}
-  return histograms_from_moments(moments, records, tied, two_d=two_d, bins_1d=bins_1d,
-                                 range_1d=range_1d, bins_2d=bins_2d, range_2d=range_2d,
-                                 values=values)
+    values.update(selection.by_path(api, params))
+  return histograms_from_moments(moments, values, two_d=two_d, bins_1d=bins_1d,
+                                 range_1d=range_1d, bins_2d=bins_2d, range_2d=range_2d)

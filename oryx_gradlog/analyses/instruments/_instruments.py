@@ -11,7 +11,7 @@ gradient `gbar = (1/B) sum_j grad_j`, per layer whichever way costs less:
   Gram matrices, `(B T)^2 (d_in + d_out)` multiply-adds: half of the layer's
   weight-gradient matmul for a 512-wide layer and a batch of 128;
 * jvp form (any layer): `<grad_i, v> = <g_i, J_i v>`, a `jax.jvp` of the very layer
-  function whose vjp `clipped_grads` takes, at `v = gbar` (that vjp at the unclipped
+  function whose vjp `per_example_clip` takes, at `v = gbar` (that vjp at the unclipped
   cotangent), `B T d_in d_out`.
 
 With `n_i = |grad_i|^2`, `d_i = <grad_i, gbar>`:
@@ -61,11 +61,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses.per_example import _clip, _ghost
+from oryx_gradlog.analyses import _common
+from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.analyses.curvature import _curvature
-from oryx_gradlog.analyses.curvature._curvature import LayerParams
-from oryx_gradlog.record import _view
-from oryx_gradlog.record._layers import CONV2D, DENSE
+from oryx_gradlog.record._kinds import CONV, DENSE
+from oryx_gradlog.record._view import LayerParams, as_float
 
 
 @functools.partial(
@@ -137,77 +137,43 @@ class LayerMoments:
   per_example: LayerParams | None
 
 
-def _one_batch_size(api, sizes: dict[str, int]) -> int:
-  batch_sizes = set(sizes.values())
-  if len(batch_sizes) != 1 or min(batch_sizes) < 2:
-    raise ValueError(
-        f"{api}: the layer records have batch sizes "
-        f"{sizes}; the tests need one "
-        "batch size of at least 2 for all the layers analysed. Reap one backward pass of "
-        "one batch loss.")
-  return batch_sizes.pop()
-
-
-def mean_gradient(record, *, reduction: str, batch_size: int, tied: bool) -> LayerParams:
-  """`gbar = (1/B) sum_i grad_i` of one layer record: its vjp at the recorded `g`."""
-  total = _clip._clipped_layer(record, jnp.ones(batch_size), tied)  # pylint: disable=protected-access
-  scale = _ghost.loss_scale(reduction, batch_size) / batch_size
-  return jax.tree.map(lambda v: scale * v, total)
-
-
 def per_example_moments(
     api: str, records: dict[str, Any], *, reduction: str, names, tied, method,
 ) -> tuple[jax.Array, jax.Array, int]:
   """`(n, d, B)`: per example `|grad_i|^2` and `<grad_i, gbar>` over the layers."""
-  selection = _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
-                            method=method, kinds=_ghost.NORM_KINDS)
-  views = {name: _view.positions(api, name, record, tied=name in selection.tied)
-           for name, record in selection.hand.items()}
-  sizes = {name: view.batch_size for name, view in views.items()}
-  sizes.update({path: uses[0].batch_size for path, uses in selection.found.items()})
-  batch_size = _one_batch_size(api, sizes)
-  scale = _ghost.loss_scale(reduction, batch_size)
-  squared, products = 0.0, 0.0
-  for name, view in views.items():
-    if _products_method(view, method) == _ghost.GRAM:
+  selection = _common.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method=method)
+  batch_size = _common.one_batch_size(api, selection.batch_sizes, minimum=2)
+  scale = _common.loss_scale(reduction, batch_size)
+  squared, products, gram_keys = 0.0, 0.0, set()
+  for key, uses in selection.groups.items():
+    view = uses[0].view() if len(uses) == 1 else None
+    if view is not None and _products_method(view, method) == _common.GRAM:
       pairs = (scale * scale) * _gram(view)  # <grad_i, grad_j>
       squared = squared + jnp.diagonal(pairs)
       products = products + jnp.mean(pairs, axis=1)
-      continue
-    square = _ghost.view_squared_norms(view, _ghost.choose_method(view, method), reduction)
-    squared = squared + jnp.sum(square.reshape(-1, batch_size), axis=0)
-    gbar = mean_gradient(records[name], reduction=reduction, batch_size=batch_size,
-                         tied=name in selection.tied)
-    products = products + scale * _clip.per_example_inner_products(
-        records[name], gbar, name in selection.tied)
-  gram_paths = set()
-  for path, uses in selection.found.items():
-    view = uses[0].view() if len(uses) == 1 and uses[0].simple else None
-    if view is not None and _products_method(view, method) == _ghost.GRAM:
-      pairs = (scale * scale) * _gram(view)
-      squared = squared + jnp.diagonal(pairs)
-      products = products + jnp.mean(pairs, axis=1)
-      gram_paths.add(path)
+      gram_keys.add(key)
     else:
-      squared = squared + _ghost.found_squared_norms(path, uses, method, reduction)[0]
-  others = [u for u in selection.uses if not set(u.spec.paths) <= gram_paths]
+      square, _ = _ghost.group_squared_norms(selection, key, method, reduction)
+      squared = squared + jnp.sum(square.reshape(-1, batch_size), axis=0)
+  others = [u for u in selection.uses if not set(u.keys) <= gram_keys]
   if others:  # <grad_i, gbar> = sum over uses of <g_i, J_i gbar>, by jvps.
-    gbar = {path: (scale / batch_size) * grad
-            for path, grad in selection.weighted(jnp.ones(batch_size)).items()}
+    gbar = {key: jax.tree.map(lambda v: (scale / batch_size) * v, grad)
+            for key, grad in selection.weighted(jnp.ones(batch_size)).items()}
     for use in others:
-      products = products + scale * use.products(use.from_params(gbar))
+      products = products + scale * use.inner_products(gbar)
   return squared, products, batch_size
 
 
 def _products_method(view, method: str) -> str:
   """Gram form for dense and conv layers where it costs less than the jvp."""
-  if view.kind not in (DENSE, CONV2D) or method == _ghost.MATERIALIZED:
+  if view.kind not in (DENSE, CONV) or method == _common.MATERIALIZED:
     return "jvp"
-  if method == _ghost.GRAM:
-    return _ghost.GRAM
+  if method == _common.GRAM:
+    return _common.GRAM
   _, batch, t, d_in = view.x.shape
   d_out = view.g.shape[-1]
-  return _ghost.GRAM if batch * t * (d_in + d_out) <= d_in * d_out else "jvp"
+  return _common.GRAM if batch * t * (d_in + d_out) <= d_in * d_out else "jvp"
 
 
 def _gram(view) -> jax.Array:
@@ -221,10 +187,10 @@ def _gram(view) -> jax.Array:
   bias = 0.0 if view.bias_g is None else 1.0
   if x.shape[2] == 1:
     x, g = x[:, :, 0], g[:, :, 0]
-    pairs = (_ghost.dot("sbd,scd->sbc", x, x) + bias) * _ghost.dot("sbd,scd->sbc", g, g)
+    pairs = (_common.dot("sbd,scd->sbc", x, x) + bias) * _common.dot("sbd,scd->sbc", g, g)
     return jnp.sum(pairs, axis=0)
-  pairs = ((_ghost.dot("sbtd,scud->sbctu", x, x) + bias)
-           * _ghost.dot("sbtd,scud->sbctu", g, g))
+  pairs = ((_common.dot("sbtd,scud->sbctu", x, x) + bias)
+           * _common.dot("sbtd,scud->sbctu", g, g))
   return jnp.sum(pairs, axis=(0, 3, 4))
 
 
@@ -287,52 +253,29 @@ def layer_moments(
     api: str, records: dict[str, Any], *, reduction: str, names, tied,
     per_example: bool = False,
 ) -> tuple[dict[str, LayerMoments], int]:
-  """Per layer, `gbar` and `sum_i grad_i^2` of the per-example losses' gradients.
+  """Per key, `gbar` and `sum_i grad_i^2` of the per-example losses' gradients.
 
   Dense layers without positions square `x` and `g` (one matmul); the others form
-  each example's gradient (`_clip.per_example_grads`). `per_example=True` forms
-  them for every layer and keeps them (for the histograms).
+  each example's gradient. `per_example=True` forms them for every layer and keeps
+  them (for the histograms).
   """
-  selection = _ghost.select(api, records, reduction=reduction, names=names, tied=tied,
-                            method="auto", kinds=_ghost.NORM_KINDS)
-  tied = selection.tied
-  views = {name: _view.positions(api, name, record, tied=name in tied)
-           for name, record in selection.hand.items()}
-  sizes = {name: view.batch_size for name, view in views.items()}
-  sizes.update({path: uses[0].batch_size for path, uses in selection.found.items()})
-  batch = _one_batch_size(api, sizes)
-  scale = _ghost.loss_scale(reduction, batch)
-  cheap = [n for n, v in views.items()
-           if v.kind == DENSE and v.x.shape[2] == 1 and not per_example]
-  squares = (_curvature.sum_grad_squared(records, reduction=reduction, names=cheap,
-                                         tied=[n for n in cheap if n in tied])
-             if cheap else {})
+  selection = _common.select(api, records, reduction=reduction, names=names, tied=tied,
+                            method="auto")
+  batch = _common.one_batch_size(api, selection.batch_sizes, minimum=2)
+  scale = _common.loss_scale(reduction, batch)
+  means = None if per_example else selection.weighted(jnp.ones(batch))
   moments = {}
-  for name in views:
-    if name in squares:
-      mean = mean_gradient(records[name], reduction=reduction, batch_size=batch,
-                           tied=name in tied)
-      moments[name] = LayerMoments(mean, squares[name], None)
-      continue
-    grads = jax.tree.map(lambda v: scale * v,
-                         _clip.per_example_grads(records[name], name in tied))
-    moments[name] = LayerMoments(
-        jax.tree.map(lambda v: jnp.mean(v, axis=0), grads),
-        jax.tree.map(lambda v: jnp.sum(v * v, axis=0), grads),
-        grads if per_example else None)
-  if selection.found:  # Found parameters: keyed by path, one leaf each.
-    means = selection.weighted(jnp.ones(batch))
-    for path in selection.found:
-      if per_example:
-        grads = scale * _ghost.as_float(selection.per_example(path))
-        moments[path] = LayerMoments(LayerParams(jnp.mean(grads, axis=0), None),
-                                     LayerParams(jnp.sum(grads * grads, axis=0), None),
-                                     LayerParams(grads, None))
-      else:
-        square = _curvature.found_sum_of_squares(selection, path)
-        moments[path] = LayerMoments(
-            LayerParams((scale / batch) * _ghost.as_float(means[path]), None),
-            LayerParams(scale * scale * square, None), None)
+  for key in selection.groups:
+    if per_example:
+      grads = jax.tree.map(lambda v: scale * as_float(v), selection.per_example(key))
+      moments[key] = LayerMoments(jax.tree.map(lambda v: jnp.mean(v, axis=0), grads),
+                                  jax.tree.map(lambda v: jnp.sum(v * v, axis=0), grads),
+                                  grads)
+    else:
+      moments[key] = LayerMoments(
+          jax.tree.map(lambda v: (scale / batch) * as_float(v), means[key]),
+          jax.tree.map(lambda v: scale * scale * v,
+                       _curvature.sum_of_squares(selection, key)), None)
   return moments, batch
 
 

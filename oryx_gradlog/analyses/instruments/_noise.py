@@ -39,10 +39,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example import _ghost
-from oryx_gradlog.record import _view
-from oryx_gradlog.record._layers import EMBED, HIGHEST
-from oryx_gradlog.record._view import LayerView
+from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED, GENERIC
+from oryx_gradlog.record._view import as_float
+
+# Every kind but the hand-marked layer norm's.
+_KINDS = (DENSE, CONV, EMBED, ELEMENTWISE, GENERIC)
 
 
 @functools.partial(
@@ -92,23 +95,6 @@ class NoiseScale:
   total: GradientNoise
 
 
-def _batch_gradient_sq(view: LayerView, scale: float) -> jax.Array:
-  """`(S,)` squared norms of the mean gradient `(1/B) sum_i grad_i`."""
-  s, batch = view.g.shape[0], view.batch_size
-  if view.kind == EMBED:
-    ids, g = view.x.reshape(s, -1), view.g.reshape(s, -1, view.g.shape[-1])
-    table = jnp.zeros((s, view.vocabulary, g.shape[-1]), g.dtype)
-    total = jax.vmap(lambda table, ids, g: table.at[ids].add(g))(table, ids, g)
-  else:
-    total = jnp.einsum("sbtd,sbte->sde", view.x, view.g, precision=HIGHEST)
-  square = jnp.sum(total * total, axis=(1, 2))
-  if view.groups > 1:
-    square = square.reshape(-1, view.groups).sum(1)
-  if view.bias_g is not None:
-    square = square + jnp.sum(jnp.sum(view.bias_g, axis=1) ** 2, axis=-1)
-  return (scale / batch) ** 2 * square
-
-
 def _estimate(mean_sq, batch_sq, batch_size):
   return GradientNoise(
       grad_sq=(batch_size * batch_sq - mean_sq) / (batch_size - 1),
@@ -150,23 +136,23 @@ def gradient_noise_scale(
   """
   api = "gradient_noise_scale"
   squares, _, selection, sizes = _ghost.squared_norms(
-      api, records, reduction=reduction, names=names, tied=tied, method=method)
-  batch_size = _ghost.one_batch_size(api, sizes)
+      api, records, reduction=reduction, names=names, tied=tied, method=method,
+      kinds=_KINDS)
+  batch_size = _common.one_batch_size(api, sizes)
   if batch_size < 2:
     raise ValueError(
         f"{api}: the layer records have batch size {batch_size}; the noise estimators "
         "need a batch of at least 2.")
-  scale = _ghost.loss_scale(reduction, batch_size)
-  found = selection.weighted(jnp.ones(batch_size))
+  scale = _common.loss_scale(reduction, batch_size)
+  means = selection.weighted(jnp.ones(batch_size))
   layers, total_mean_sq, total_batch_sq = {}, 0.0, 0.0
-  for name, square in squares.items():
+  for key, square in squares.items():
     mean_sq = jnp.mean(square, axis=-1)
-    if name in found:
-      batch_sq = (scale / batch_size) ** 2 * jnp.sum(_ghost.as_float(found[name]) ** 2)
-    else:
-      view = _view.positions(api, name, selection.hand[name], tied=name in selection.tied)
-      batch_sq = _batch_gradient_sq(view, scale).reshape(view.stack_shape)
-    layers[name] = _estimate(mean_sq, batch_sq, batch_size)
+    calls = square.ndim - 1  # A hand-marked record keeps its call axes.
+    batch_sq = (scale / batch_size) ** 2 * sum(
+        jnp.sum(as_float(v) ** 2, axis=tuple(range(calls, v.ndim)))
+        for v in jax.tree.leaves(means[key]))
+    layers[key] = _estimate(mean_sq, batch_sq, batch_size)
     total_mean_sq = total_mean_sq + jnp.sum(mean_sq)
     total_batch_sq = total_batch_sq + jnp.sum(batch_sq)
   return NoiseScale(layers, _estimate(total_mean_sq, total_batch_sq, batch_size))

@@ -8,7 +8,7 @@ layer's ordinary weight gradient with the cotangent `c_i g_i` in place of `g_i`:
 
     sum_i c_i grad_i(w) = vjp of the layer w.r.t. (w, b) at cotangent (c * g)
 
-which `clipped_grads` computes with `jax.vjp` of the very function the layer helper
+which `per_example_clip` computes with `jax.vjp` of the very function the layer helper
 applies (so strides, padding, dilation, groups, layouts and repeated ids are handled
 as the layer handles them). The norms `|grad_i|` come from `per_example_norms` of
 the same records (the "book-keeping" idea of Bu et al. 2023): one forward and one
@@ -28,7 +28,7 @@ results into the structure of the parameters.
 
 Sharp edges:
   * The privacy guarantee covers only the parameters whose gradients come out of
-    `clipped_grads`. With hand-marked layers every trainable parameter must be in a
+    `per_example_clip`. With hand-marked layers every trainable parameter must be in a
     marked layer (`to_param_tree` raises for one that is not); `clipped_grad` and
     `gl.record_layers` find every use, and a use with no per-example gradient (a
     weight-decay term in the loss, batch norm) is an error that names it.
@@ -62,10 +62,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example import _ghost
-from oryx_gradlog.analyses.curvature._curvature import LayerParams
-from oryx_gradlog.record import _layers, _view
-from oryx_gradlog.record._layers import CONV2D, LayerInputs
+from oryx_gradlog.record._view import LayerParams
 
 
 @functools.partial(
@@ -118,111 +117,7 @@ def clip_factors(norms: jax.Array, l2_norm_clip: float) -> jax.Array:
   return l2_norm_clip / jnp.maximum(norms, l2_norm_clip)
 
 
-def _layer_function(layer: LayerInputs, lead: int):
-  """`(w, b) -> layer output`, with `x` fixed; vmapped over `lead` axes of `x` only."""
-  def apply(w, b, x):
-    return _layers._apply(dataclasses.replace(layer, x=x, w=w, b=b))
-  for _ in range(lead):
-    apply = jax.vmap(apply, in_axes=(None, None, 0))
-  return apply
-
-
-def _record_function(record):
-  """`((w, b) -> the recorded layer's output, calls)`, vmapped over the call axes."""
-  layer = record.primals[0]
-  calls = _view.call_axes(record)
-  # The example axis follows the call axes; for a conv2d applied per example under a
-  # vmap, the vmapped axes come before the conv's own four.
-  lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
-  apply = _layer_function(layer, lead)
-  for _ in range(calls):
-    apply = jax.vmap(apply)
-  return (lambda w, b: apply(w, b, layer.x)), calls
-
-
-def _per_example(factors, g, calls):
-  """`factors` (B,) shaped to multiply `g`, whose example axis follows the calls."""
-  shape = [1] * g.ndim
-  shape[calls] = -1
-  return factors.reshape(shape).astype(g.dtype)
-
-
-def per_example_inner_products(record, direction: LayerParams, tied) -> jax.Array:
-  """`(B,)`: per example, `<dL/dy_i, J v>` with `J` the layer's Jacobian in (w, b).
-
-  The layer is linear in its parameters, so this is the inner product of the
-  example's gradient (of the recorded loss) with `direction` (a `LayerParams` shaped
-  like the layer's parameters, with the call axes, or without for a tied layer).
-  """
-  layer, g = record.primals[0], record.out_cotangent
-  function, calls = _record_function(record)
-  w, b = direction.w, direction.b
-  if tied:
-    w = jnp.broadcast_to(w, layer.w.shape)
-    b = None if b is None or layer.b is None else jnp.broadcast_to(b, layer.b.shape)
-  has_b = layer.b is not None
-  _, tangent = jax.jvp(function, (layer.w, layer.b),
-                       (w.astype(layer.w.dtype), b if has_b else None))
-  if layer.b is None and layer.options.get("bias", False):  # dense_dot_general's bias.
-    tangent = tangent + b.reshape(b.shape[:-1] + (1,) * (g.ndim - b.ndim) + b.shape[-1:])
-  products = g * tangent
-  return jnp.sum(jnp.moveaxis(products, calls, 0).reshape(g.shape[calls], -1), axis=1)
-
-
-def per_example_grads(record, tied) -> LayerParams:
-  """Each example's gradient (of the recorded loss) of one layer record, `(B, ...)`.
-
-  Shaped like the layer's parameters (with the call axes, or without for a tied
-  layer) after the example axis: the vjp of the layer applied to one example's
-  input at that example's cotangent, vmapped over the examples (for a dense layer,
-  `x_i^T g_i`; XLA batches the matmuls or convolutions). It costs `B` times the
-  layer's parameters in memory: for the instruments that need every per-example
-  element (histograms, per-parameter second moments of non-dense layers).
-  """
-  layer, g = record.primals[0], record.out_cotangent
-  calls = _view.call_axes(record)
-  lead = layer.x.ndim - calls - 4 if layer.kind == CONV2D else 0
-  apply = _layer_function(layer, lead)
-  for _ in range(calls):
-    apply = jax.vmap(apply)
-  # One example keeps a batch axis of one where the batch axis was.
-  split = lambda a: jnp.moveaxis(jnp.expand_dims(a, calls + 1), calls, 0)
-  bias = layer.b is None and layer.options.get("bias", False)  # dense_dot_general's.
-
-  def one(x, g):
-    _, vjp = jax.vjp(lambda w, b: apply(w, b, x), layer.w, layer.b)
-    w_grad, b_grad = vjp(g)
-    if bias:
-      b_grad = jnp.sum(g, axis=tuple(range(calls, g.ndim - 1)))
-    if tied:
-      w_grad = jnp.sum(w_grad, axis=tuple(range(calls)))
-      b_grad = None if b_grad is None else jnp.sum(b_grad, axis=tuple(range(calls)))
-    return LayerParams(w_grad, b_grad)
-
-  return jax.vmap(one)(split(layer.x), split(g))
-
-
-def _clipped_layer(record, factors, tied) -> LayerParams:
-  """The clipped gradient of one layer record: its vjp at the cotangent `c g`.
-
-  The recorded `g` is the per-example loss's cotangent times 1/B for a mean loss, so
-  the one vjp gives the clipped sum (sum loss) or the clipped mean (mean loss).
-  """
-  layer, g = record.primals[0], record.out_cotangent
-  function, calls = _record_function(record)
-  cotangent = _per_example(factors, g, calls) * g
-  b = layer.b
-  _, vjp = jax.vjp(function, layer.w, b)
-  w_grad, b_grad = vjp(cotangent)
-  if b is None and layer.options.get("bias", False):  # dense_dot_general's bias.
-    b_grad = jnp.sum(cotangent, axis=tuple(range(calls, cotangent.ndim - 1)))
-  if tied:
-    w_grad = jnp.sum(w_grad, axis=tuple(range(calls)))
-    b_grad = None if b_grad is None else jnp.sum(b_grad, axis=tuple(range(calls)))
-  return LayerParams(w_grad, b_grad)
-
-
-def clipped_grads(
+def per_example_clip(
     records: dict[str, Any],
     *,
     l2_norm_clip: float,
@@ -256,12 +151,12 @@ def clipped_grads(
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
     >>> loss = lambda w, x: jnp.sum(gl.dense(x, w, name="fc"))
     >>> x = jnp.array([[3.0], [0.5]])  # grad_i = x_i: 3 is clipped to 1, 0.5 is kept
-    >>> clipped = gl.clipped_grads(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x),
+    >>> clipped = gl.per_example_clip(gl.reap(jax.grad(loss))(jnp.ones((1, 1)), x),
     ...                            l2_norm_clip=1.0, reduction="sum")
     >>> clipped.layers["fc"].w, clipped.norms
     (Array([[1.5]], dtype=float32), Array([3. , 0.5], dtype=float32))
   """
-  return _clipped("clipped_grads", records, l2_norm_clip=l2_norm_clip,
+  return _clipped("per_example_clip", records, l2_norm_clip=l2_norm_clip,
                   reduction=reduction, names=names, tied=tied, method=method)
 
 
@@ -276,18 +171,13 @@ def check_clip(api: str, l2_norm_clip: Any) -> None:
 def _clipped(api, records, *, l2_norm_clip, reduction, names, tied, method):
   check_clip(api, l2_norm_clip)
   squares, _, selection, sizes = _ghost.squared_norms(
-      api, records, reduction=reduction, names=names, tied=tied, method=method,
-      kinds=_ghost.NORM_KINDS)
-  batch_size = _ghost.one_batch_size(api, sizes)
+      api, records, reduction=reduction, names=names, tied=tied, method=method)
+  batch_size = _common.one_batch_size(api, sizes)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
   norms = jnp.sqrt(total)
   factors = clip_factors(norms, l2_norm_clip)
-  layers = {name: _clipped_layer(record, factors, name in selection.tied)
-            for name, record in selection.hand.items()}
-  found = selection.weighted(factors)
-  layers.update({path: LayerParams(grad, None) for path, grad in found.items()})
-  return ClippedGrads(layers, norms, float(l2_norm_clip), reduction, batch_size,
-                      param_tree(selection))
+  return ClippedGrads(selection.weighted(factors), norms, float(l2_norm_clip), reduction,
+                      batch_size, selection.tree)
 
 
 _CLIP_TAG = "gradlog_clipped_grad"
@@ -341,7 +231,7 @@ def clipped_grad(
   from oryx_gradlog.record._record_layers import recorder  # pylint: disable=g-import-not-at-top
   api = "clipped_grad"
   check_clip(api, l2_norm_clip)
-  _ghost.check_reduction(api, reduction)
+  _common.check_reduction(api, reduction)
   recorded = recorder(fun, argnums=argnums, batch_argnums=batch_argnums, tag=_CLIP_TAG,
                       api=api)
   grad = call_and_reap(jax.grad(recorded, argnums=argnums, has_aux=has_aux), tag=_CLIP_TAG)
@@ -361,13 +251,6 @@ def clipped_grad(
     return (grads, out[1]) if has_aux else grads
 
   return clipped
-
-
-def param_tree(selection: _view.Selection):
-  """The parameters' tree of the found records (`None` without found records)."""
-  for uses in selection.found.values():
-    return uses[0].spec.tree
-  return None
 
 
 def _split_field(where: Any) -> tuple[str, str] | None:
@@ -402,7 +285,7 @@ def to_param_tree(layers: dict[str, LayerParams], params: Any, where: Any) -> An
     >>> params = {"fc": {"kernel": jnp.ones((1, 1)), "bias": jnp.zeros(1)}}
     >>> loss = lambda p, x: jnp.sum(gl.dense(x, p["fc"]["kernel"], p["fc"]["bias"], name="fc"))
     >>> x = jnp.array([[0.75], [0.0]])  # norms 1.25 and 1: clip factors 0.8 and 1
-    >>> clipped = gl.clipped_grads(gl.reap(jax.grad(loss))(params, x), l2_norm_clip=1.0,
+    >>> clipped = gl.per_example_clip(gl.reap(jax.grad(loss))(params, x), l2_norm_clip=1.0,
     ...                            reduction="sum")
     >>> where = {"fc": {"kernel": "fc.w", "bias": "fc.b"}}
     >>> gl.to_param_tree(clipped.layers, params, where)["fc"]["bias"]

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.record import _record_layers, _view
 from oryx_gradlog.record._reap import reap
@@ -141,8 +142,8 @@ def _use_cost(use: _view.FoundUse, method: str) -> tuple[str, int, int]:
     return chosen, s * macs, s * floats
   out = math.prod(use.g.shape)
   if use.spec.kind == ELEMENTWISE:
-    return _ghost.MATERIALIZED, out, batch * w_size
-  return _ghost.MATERIALIZED, batch * out, batch * (w_size + out)
+    return _common.MATERIALIZED, out, batch * w_size
+  return _common.MATERIALIZED, batch * out, batch * (w_size + out)
 
 
 def layer_coverage(
@@ -181,7 +182,7 @@ def layer_coverage(
     ('gram', 'elementwise', ['unused'])
   """
   api = "layer_coverage"
-  if method not in ("auto", _ghost.GRAM, _ghost.MATERIALIZED):
+  if method not in ("auto", _common.GRAM, _common.MATERIALIZED):
     raise ValueError(f"{api}(method={method!r}): method must be 'auto', 'gram' or "
                      "'materialized'.")
   recorded = _record_layers.recorder(fun, argnums=argnums, batch_argnums=batch_argnums,
@@ -211,7 +212,7 @@ def layer_coverage(
       if len(group) == 1 and group[0].simple:
         row["method"], row["macs"], row["floats"] = costs[0]
       else:
-        row["method"] = _ghost.MATERIALIZED
+        row["method"] = _common.MATERIALIZED
         row["macs"] = sum(c[1] for c in costs)
         row["floats"] = sum(c[2] for c in costs)
         row["note"] = ("several uses (tied): per-example gradients formed and summed"

@@ -66,20 +66,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.record import _view
-from oryx_gradlog.record._layers import CONV2D, DENSE, EMBED, HIGHEST, LAYER_NORM
-from oryx_gradlog.record._view import FoundUse, LayerView
+from oryx_gradlog.analyses._common import (
+    GRAM, MATERIALIZED, dot, loss_scale, select)
+from oryx_gradlog.record._kinds import EMBED, LAYER_NORM, NORM_KINDS
+from oryx_gradlog.record._selection import Selection
+from oryx_gradlog.record._view import LayerView, as_float
 
-GRAM, MATERIALIZED = "gram", "materialized"
-_METHODS = ("auto", GRAM, MATERIALIZED)
-_REDUCTIONS = ("mean", "sum")
-# The layer kinds whose per-example gradient norms `squared_norms` computes.
-NORM_KINDS = (DENSE, CONV2D, EMBED, LAYER_NORM)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["layers", "total"],
+    data_fields=["layers", "norms"],
     meta_fields=["methods"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -90,31 +87,26 @@ class PerExampleNorms:
     layers: per record name, the norms of the per-example gradients of that
       layer's parameters (weight and bias together), shape `(*calls, batch)`, or
       `(batch,)` for a tied name.
-    total: `(batch,)`, the norm of each example's gradient over all the layers.
+    norms: `(batch,)`, the norm of each example's gradient over all the layers (the
+      quantity `ClippedGrads.norms` and `gl.clipped_grad(..., return_norms=True)`
+      give).
     methods: static `(name, "gram" | "materialized")` pairs: how each layer was done.
   """
 
   layers: dict[str, jax.Array]
-  total: jax.Array
+  norms: jax.Array
   methods: tuple[tuple[str, str], ...] = ()
+
+  @property
+  def total(self):
+    raise AttributeError(
+        "PerExampleNorms.total was renamed PerExampleNorms.norms (the one name of each "
+        "example's gradient norm, as in ClippedGrads.norms and return_norms=True).")
 
   @property
   def method(self) -> dict[str, str]:
     """`methods` as a dict."""
     return dict(self.methods)
-
-
-def check_reduction(api: str, reduction: str) -> None:
-  if reduction not in _REDUCTIONS:
-    raise ValueError(
-        f"{api}(reduction={reduction!r}): reduction must be 'mean' (the loss is the "
-        "mean of the per-example losses) or 'sum' (their sum). For another scaling c * "
-        "sum_i l_i, use 'sum' and divide the results by c (norms) or c**2 (squares).")
-
-
-def loss_scale(reduction: str, batch_size: int) -> float:
-  """The factor from a recorded cotangent to the per-example loss's cotangent."""
-  return float(batch_size) if reduction == "mean" else 1.0
 
 
 def costs(kind: str, batch: int, positions: int, d_in: int, d_out: int,
@@ -159,15 +151,6 @@ def choose_method(view: LayerView, method: str) -> str:
   return cheaper(view.kind, b, t, d_in, d_out, view.vocabulary)
 
 
-def as_float(x: jax.Array) -> jax.Array:
-  """`x` in at least float32."""
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def dot(spec, a, b):
-  return jnp.einsum(spec, a, b, precision=HIGHEST)
-
-
 def weight_squared_norms(view: LayerView, method: str) -> jax.Array:
   """`(S, B)` squared norms of `sum_t x_t^T g_t` (unscaled), for the weight."""
   x, g = view.x, view.g
@@ -193,86 +176,44 @@ def weight_squared_norms(view: LayerView, method: str) -> jax.Array:
 
 def squared_norms(
     api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
-    tied: Collection[str], method: str, kinds: Sequence[str] = (DENSE, CONV2D, EMBED),
-) -> tuple[dict[str, jax.Array], dict[str, str], _view.Selection, dict[str, int]]:
+    tied: Collection[str], method: str, kinds: Sequence[str] = NORM_KINDS,
+) -> tuple[dict[str, jax.Array], dict[str, str], Selection, dict[str, int]]:
   """Per-example squared norms (of `l_i`'s gradient) of the selected layers.
 
-  Returns `(squares, methods, selection, batch_sizes)`: per hand-marked record name
-  `(*calls, B)` squares, per found parameter path `(B,)`; the method of each; the
-  records read; and the batch size of each.
+  Returns `(squares, methods, selection, batch_sizes)`: per key `(*calls, B)` squares
+  (a hand-marked record keeps its call axes; a parameter path has none); the method
+  of each; the records read; and the batch size of each.
   """
   selection = select(api, records, reduction=reduction, names=names, tied=tied,
                      method=method, kinds=kinds)
-  squares, methods, sizes = {}, {}, {}
-  for name, record in selection.hand.items():
-    view = _view.positions(api, name, record, tied=name in selection.tied)
-    methods[name] = choose_method(view, method)
-    squares[name] = view_squared_norms(view, methods[name], reduction)
-    sizes[name] = view.batch_size
-  for path, uses in selection.found.items():
-    squares[path], methods[path] = found_squared_norms(path, uses, method, reduction)
-    sizes[path] = uses[0].batch_size
-  return squares, methods, selection, sizes
+  squares, methods = {}, {}
+  for key in selection.groups:
+    squares[key], methods[key] = group_squared_norms(selection, key, method, reduction)
+  return squares, methods, selection, selection.batch_sizes
 
 
-def one_batch_size(api: str, sizes: dict[str, int]) -> int:
-  """The one batch size of the layers analysed, else an error listing them."""
-  if len(set(sizes.values())) != 1:
-    raise ValueError(
-        f"{api}: the layer records have batch sizes {sorted(set(sizes.values()))}, by "
-        f"name {sizes}; the analysis needs every layer of one batch. Reap one backward "
-        "pass of one batch loss.")
-  return next(iter(sizes.values()))
-
-
-def select(api: str, records: dict[str, Any], *, reduction: str,
-           names: Sequence[str] | None, tied: Collection[str], method: str,
-           kinds: Sequence[str], found_kinds: Sequence[str] | None = None,
-           ) -> _view.Selection:
-  """Checks the arguments of an analysis; returns the records it reads."""
-  check_reduction(api, reduction)
-  if method not in _METHODS:
-    raise ValueError(f"{api}(method={method!r}): method must be one of {_METHODS}.")
-  return _view.collect(api, records, names, kinds, tied, found_kinds)
-
-
-def layer_views(
-    api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
-    tied: Collection[str], method: str, kinds: Sequence[str],
-) -> tuple[dict[str, LayerView], set[str]]:
-  """The hand-marked layers' views and the tied names (for analyses of those only)."""
-  selection = select(api, records, reduction=reduction, names=names, tied=tied,
-                     method=method, kinds=kinds)
-  if selection.found:
-    raise ValueError(
-        f"{api}: takes hand-marked layer records only (gl.dense, gl.conv2d, gl.embed, "
-        f"gl.layer_norm) so far; the records of parameters {sorted(selection.found)} were "
-        "found by gl.record_layers. Pass names=[...] to leave them out.")
-  views = {name: _view.positions(api, name, record, tied=name in selection.tied)
-           for name, record in selection.hand.items()}
-  return views, selection.tied
-
-
-def found_squared_norms(path: str, uses: list[FoundUse], method: str,
+def group_squared_norms(selection: Selection, key: str, method: str,
                         reduction: str) -> tuple[jax.Array, str]:
-  """`(B,)` per-example squared norms of parameter `path`'s gradient, and the method.
+  """Per-example squared norms of key `key`'s gradient, and the method.
 
-  One use of a view of the parameter that is dense, a convolution or an embedding
-  takes the Gram form or materialises, as the cost model says; any other use, and a
-  parameter with several uses (tied weights: cross terms), materialises the uses'
-  per-example gradients, maps them to the parameter and sums them.
+  One use with a view (a hand-marked layer; a found dense, convolution or embedding
+  use of a view of its parameter) takes the Gram form or materialises, as the cost
+  model says: `(*calls, B)` where the use keeps its calls, else `(B,)`. Any other
+  use, and a parameter with several uses (tied weights: cross terms), materialises
+  the uses' per-example gradients, maps them to the parameter and sums them.
   """
+  uses = selection.groups[key]
   batch = uses[0].batch_size
+  view = uses[0].view() if len(uses) == 1 else None
+  if view is not None:
+    chosen = choose_method(view, method)
+    square = view_squared_norms(view, chosen, reduction)
+    if not uses[0].keeps_calls:
+      square = jnp.sum(square.reshape(-1, batch), axis=0)
+    return square, chosen
   scale = loss_scale(reduction, batch)
-  if len(uses) == 1 and uses[0].simple:
-    view = uses[0].view()
-    if view is not None:
-      chosen = choose_method(view, method)
-      square = view_squared_norms(view, chosen, reduction)
-      return jnp.sum(square.reshape(-1, batch), axis=0), chosen
-  total = _view.Selection({}, {path: uses}, set()).per_example(path)
-  total = as_float(total)
-  square = jnp.sum(total.reshape(batch, -1) ** 2, axis=1)
+  total = jax.tree.leaves(selection.per_example(key))
+  square = sum(jnp.sum(as_float(v).reshape(batch, -1) ** 2, axis=1) for v in total)
   return (scale * scale) * square, MATERIALIZED
 
 
@@ -285,15 +226,6 @@ def view_squared_norms(view: LayerView, method: str, reduction: str) -> jax.Arra
     square = square + jnp.sum(view.bias_g * view.bias_g, axis=-1)
   scale = loss_scale(reduction, view.batch_size)
   return (scale * scale) * square.reshape(view.stack_shape + square.shape[-1:])
-
-
-def check_tied(api, records, tied):
-  tied = {tied} if isinstance(tied, str) else set(tied)
-  missing = sorted(tied - set(records))
-  if missing:
-    raise ValueError(
-        f"{api}(tied=...): {missing} are not among the records {sorted(records)}.")
-  return tied
 
 
 def per_example_norms(
@@ -333,10 +265,10 @@ def per_example_norms(
     ...   return jnp.mean(gl.dense(h, params["w2"], name="fc2") ** 2)
     >>> params = {"w1": jnp.ones((3, 4)) / 4, "b1": jnp.zeros(4), "w2": jnp.ones((4, 1))}
     >>> x = jnp.arange(6.0).reshape(2, 3)
-    >>> norms = gl.per_example_norms(gl.reap(jax.grad(loss))(params, x))
+    >>> result = gl.per_example_norms(gl.reap(jax.grad(loss))(params, x))
     >>> per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, x[:, None])
     >>> flat = jax.vmap(lambda g: jnp.concatenate([v.ravel() for v in jax.tree.leaves(g)]))
-    >>> bool(jnp.allclose(norms.total, jnp.linalg.norm(flat(per_example), axis=1)))
+    >>> bool(jnp.allclose(result.norms, jnp.linalg.norm(flat(per_example), axis=1)))
     True
   """
   squares, methods, _, _ = squared_norms(
@@ -345,6 +277,6 @@ def per_example_norms(
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
   return PerExampleNorms(
       layers={name: jnp.sqrt(s) for name, s in squares.items()},
-      total=jnp.sqrt(total),
+      norms=jnp.sqrt(total),
       methods=tuple(sorted(methods.items())),
   )

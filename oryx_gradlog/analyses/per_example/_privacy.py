@@ -1,6 +1,6 @@
 """The rest of a DP-SGD step: Gaussian noise, an optax-style transform, Poisson batches.
 
-With the clipped gradient `sum_i c_i grad_i` from `gl.clipped_grads`, DP-SGD (Abadi
+With the clipped gradient `sum_i c_i grad_i` from `gl.per_example_clip`, DP-SGD (Abadi
 et al. 2016) adds Gaussian noise of standard deviation `sigma * C` to the sum
 (`sigma` the noise multiplier, `C` the clip norm) and, for a mean loss, divides by
 the batch size: so the noise on a mean is `sigma * C / B`. `add_dp_noise` does this
@@ -36,14 +36,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.analyses.per_example import _ghost
+from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example._clip import ClippedGrads
 
 
 def noise_stddev(api: str, *, l2_norm_clip: float, noise_multiplier: float, reduction: str,
                  batch_size: int | None) -> float:
   """`sigma * C` for a sum loss, `sigma * C / B` for a mean loss."""
-  _ghost.check_reduction(api, reduction)
+  _common.check_reduction(api, reduction)
   if not noise_multiplier >= 0 or not l2_norm_clip > 0:
     raise ValueError(
         f"{api}: got noise_multiplier={noise_multiplier!r} and l2_norm_clip="
@@ -74,7 +74,7 @@ def add_dp_noise(clipped: ClippedGrads, key: jax.Array, *,
   that divided by the batch size for a mean loss (both read from `clipped`).
 
   Args:
-    clipped: what `gl.clipped_grads` returns.
+    clipped: what `gl.per_example_clip` returns.
     key: a PRNG key, fresh for every step.
     noise_multiplier: `sigma`, the ratio of the noise's standard deviation to the
       clip norm (`gl.dp_noise_multiplier` finds one for a target epsilon).
@@ -86,7 +86,7 @@ def add_dp_noise(clipped: ClippedGrads, key: jax.Array, *,
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
     >>> loss = lambda w, x: jnp.mean(gl.dense(x, w, name="fc"))
     >>> records = gl.reap(jax.grad(loss))(jnp.ones((1, 1)), jnp.ones((4, 1)))
-    >>> clipped = gl.clipped_grads(records, l2_norm_clip=1.0)
+    >>> clipped = gl.per_example_clip(records, l2_norm_clip=1.0)
     >>> noisy = gl.add_dp_noise(clipped, jax.random.PRNGKey(0), noise_multiplier=0.0)
     >>> noisy.layers["fc"].w  # no noise: the clipped mean gradient
     Array([[1.]], dtype=float32)
@@ -121,7 +121,7 @@ def dp_noise(*, l2_norm_clip: float, noise_multiplier: float, reduction: str = "
   """Returns an optax-style transform that adds DP-SGD's noise to clipped gradients.
 
   Put it in `optax.chain(gl.dp_noise(...), optax.sgd(...))` and feed it the clipped
-  gradients on the parameter tree (`gl.to_param_tree(gl.clipped_grads(...).layers,
+  gradients on the parameter tree (`gl.to_param_tree(gl.per_example_clip(...).layers,
   ...)`). Each update draws from the state's key and advances it.
 
   Args:
