@@ -30,8 +30,10 @@ SHARED_ORYX ?= ../shared/oryx
 ORYX_COMMIT_jax-0.8.2 = aa33090
 ORYX_COMMIT_jax-0.10.2 = 9b9ef13
 # Extras of one set only: the peers that tests compare with where they run
-# (kfac-jax 0.0.8 runs on JAX 0.8.2, not 0.10; its tests skip where it is missing).
+# (kfac-jax 0.0.8 runs on JAX 0.8.2, not 0.10; its tests skip where it is missing),
+# and stock models of other libraries (penzai) in the newest set.
 SET_EXTRAS_jax-0.8.2 = peers
+SET_EXTRAS_jax-0.10.2 = models
 
 .PHONY: demo test bench test-all test-set bench-set wheel oryx-wheel clean
 

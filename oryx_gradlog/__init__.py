@@ -97,12 +97,12 @@ from oryx_gradlog.analyses.per_example._privacy import (
     dp_noise,
     poisson_batch,
 )
-from oryx_gradlog.record._view import LayerParams
+from oryx_gradlog.record._canonical import LayerParams
 from oryx_gradlog.record._reap import (
     call_and_reap,
     reap,
 )
-from oryx_gradlog.record._record_layers import (
+from oryx_gradlog.record.record_layers import (
     LayerUse,
     record_layers,
 )

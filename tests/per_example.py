@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import oryx_gradlog as gl
-from oryx_gradlog.record._record_layers import path_name  # Names: tested literally elsewhere.
+from oryx_gradlog.record.record_layers import path_name  # Names: tested literally elsewhere.
 
 REL_ERR = 1e-5
 

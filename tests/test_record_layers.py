@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from per_example import (
     assert_norms_close, assert_rel_err, check_found, clip, found, median_clip, norms_of,
-    per_example_grads)
+    path_name, per_example_grads)
 
 import oryx_gradlog as gl
 
@@ -226,6 +226,21 @@ def embed_scalar_index_under_vmap():
 
 
 @model
+def embed_vocabulary_on_the_last_axis():
+  """penzai 0.2.5's `pz.nn.EmbeddingLookup`, as its jaxpr has it: the table
+  transposed to (d, vocabulary), gathered at the ids with `mode="clip"` and the
+  embedding axis first in the output (`offset_dims=(0, 3)`), then squeezed."""
+  def per_example(p, ids):
+    table = p["table"].T
+    dims = lax.GatherDimensionNumbers(offset_dims=(0, ids.ndim + 1), collapsed_slice_dims=(),
+                                      start_index_map=(1,))
+    out = lax.gather(table, ids[..., None], dims, slice_sizes=(table.shape[0], 1),
+                     mode=lax.GatherScatterMode.CLIP)
+    return _sq(jnp.moveaxis(out[..., 0], 0, -1))
+  return per_example, {"table": _normal(1, 7, 3)}, (_ids(2, B, 5, vocabulary=7),)
+
+
+@model
 def embed_take_with_bias_and_dense():
   def per_example(p, ids):
     h = jnp.take(p["table"], ids, axis=0) + p["bias"]
@@ -373,9 +388,10 @@ _signed_scale.defvjp(_signed_scale_fwd, _signed_scale_bwd)
 
 @model
 def generic_uses():
-  """Uses with no Gram form: a column gather and custom_jvp and custom_vjp functions
-  of data and a parameter (generic); a class token broadcast to the batch and a
-  parameter entering a cumulative sum with the data (element-wise)."""
+  """custom_jvp and custom_vjp functions of data and a parameter (generic, no Gram
+  form); a class token broadcast to the batch and a parameter entering a cumulative
+  sum with the data (element-wise); a column gather (an embedding whose vocabulary
+  is the table's last axis)."""
   def per_example(p, x, ids):
     cls = jnp.broadcast_to(p["cls"], (x.shape[0], 1, x.shape[2]))
     h = jnp.concatenate([cls, x], axis=1)  # (B, T + 1, d)
@@ -468,6 +484,7 @@ def test_sum_loss(name):
 
 METHOD_MODELS = ["attention_3d_kernels", "dot_general_batch_dims_per_head",
                  "conv_feature_groups", "embed_index_repeated_ids",
+                 "embed_vocabulary_on_the_last_axis",
                  "scan_over_stacked_layers_with_views"]
 
 
@@ -785,13 +802,14 @@ KINDS = {
                              "out.kernel": "dense", "out.bias": "elementwise"},
     "conv_depthwise": {"kernel": "conv", "bias": "elementwise"},
     "embed_scalar_index_under_vmap": {"table": "embed"},
+    "embed_vocabulary_on_the_last_axis": {"table": "embed"},
     "embed_take_with_bias_and_dense": {"table": "embed", "bias": "elementwise",
                                        "w": "dense"},
     "tied_embedding_output_projection": {"embed": "embed,dense", "w": "dense"},
     "parameters_broadcast_to_the_output": {"w": "dense", "b": "elementwise",
                                            "gain": "elementwise", "pos": "elementwise"},
     "generic_uses": {"cls": "elementwise", "gate": "generic", "prefix": "elementwise",
-                     "columns": "generic", "scale": "generic"},
+                     "columns": "embed", "scale": "generic"},
     "lora_and_weight_norm": {"lora.w": "dense", "lora.a": "dense", "lora.b": "dense",
                              "wn.v": "dense", "wn.g": "dense"},
 }
@@ -814,3 +832,56 @@ def test_layer_coverage_of_a_covered_model_matches_the_methods_used():
   norms = found(loss, params, *batch).norms
   assert {p: c.method for p, c in coverage.params.items()} == norms.method
   assert all(c.macs > 0 and c.floats > 0 for c in coverage.params.values())
+
+
+def test_penzai_embedding_lookup_is_an_embedding_use():
+  """penzai's stock `EmbeddingLookup` (named axes), with its table's value given as
+  a frozen parameter (as `pz.freeze_params` leaves it): one embedding use whose
+  per-example norms and clipped gradient equal vmap(grad)'s."""
+  pz = pytest.importorskip("penzai.pz")
+  table = pz.nn.EmbeddingTable.from_config(
+      name="emb", init_base_rng=jax.random.key(0), vocab_size=7,
+      embedding_axes={"embedding": 3})
+
+  def per_example(p, ids):
+    value = pz.nx.wrap(p["table"]).tag("vocabulary", "embedding")
+    layer = pz.nn.EmbeddingLookup(pz.nn.EmbeddingTable(
+        embeddings=pz.ParameterValue(value=value, label="emb"),
+        vocabulary_axis="vocabulary"))
+    out = layer(pz.nx.wrap(ids).tag("batch", "seq"))
+    return _sq(out.untag("batch", "seq", "embedding").unwrap())
+
+  values = {"table": table.embeddings.value.untag("vocabulary", "embedding").unwrap()}
+  loss, ids = _batch_loss(per_example), _ids(2, B, 5, vocabulary=7)
+  coverage = gl.layer_coverage(loss, values, ids)
+  assert [u.kind for u in coverage.params["table"].uses] == ["embed"], coverage
+  for method in ("gram", "materialized"):
+    check_found(loss, values, ids, method=method)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_parameter_the_loss_depends_on_has_a_use(name):
+  """Completeness: every parameter leaf with a nonzero gradient (plain `jax.grad`)
+  has at least one use, covered or unsupported with its reason."""
+  loss, params, batch = _case(name)
+  grads = jax.grad(loss)(params, *batch)
+  coverage = gl.layer_coverage(loss, params, *batch)
+  for path, grad in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if np.any(np.asarray(grad, np.float64) != 0):
+      entry = coverage.params[path_name(path)]
+      assert entry.uses, (name, path_name(path))
+
+
+def test_a_parameter_reaching_the_loss_without_the_batch_is_an_error():
+  """A leaf whose effect on the loss never meets the batch has no per-example
+  gradient: an error naming it, not a silent zero in `gl.clipped_grad`."""
+  def loss(p, x):
+    del x
+    return jnp.sum(p["s"] ** 2)
+
+  params, x = {"s": jnp.ones(3)}, jnp.ones((B, 2))
+  with pytest.raises(ValueError, match=r"clipped_grad: the parameters 's' \(first read by "
+                     r"integer_pow.*\) reach the loss without meeting the batch"):
+    gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
+  with pytest.raises(ValueError, match="'s'"):
+    gl.layer_coverage(loss, params, x)

@@ -7,6 +7,7 @@
 * `instruments`: Cockpit's training instruments and the gradient noise scale;
 * `debugging`: where a non-finite value entered the backward pass.
 
-All read layer records through `oryx_gradlog.record._view`. Internal: the public
-names are in `oryx_gradlog`.
+Each starts with `_common.select`, which reads the records as one `Selection` of
+layer uses (`oryx_gradlog.record._selection`), hand-marked and found alike, and loops
+once over its keys or uses. Internal: the public names are in `oryx_gradlog`.
 """

@@ -19,11 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from oryx_gradlog.record._canonical import GRAM, MATERIALIZED
 from oryx_gradlog.record._kinds import NORM_KINDS
 from oryx_gradlog.record._layers import HIGHEST
 from oryx_gradlog.record._selection import Selection, collect
 
-GRAM, MATERIALIZED = "gram", "materialized"
 METHODS = ("auto", GRAM, MATERIALIZED)
 REDUCTIONS = ("mean", "sum")
 

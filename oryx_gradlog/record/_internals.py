@@ -15,6 +15,8 @@ this module.
 | `jax.interpreters.mlir.register_lowering` | sites lower to nothing | unchanged |
 | `scan_p`, `cond_p`, `while_p`, `remat_p`, `jit_p` | keys of Oryx's reap-rule registry | `jax._src.pjit.pjit_p` became `jax.extend.core.primitives.jit_p` (JAX 0.7) |
 | `jax._src.core.set_current_trace`, `take_current_trace`, `subjaxprs`, `jaxprs_in_params` | reap rules bind in the parent trace; skip sow-free bodies; reset the trace after an Oryx error | unchanged; binding with `bind` under `set_current_trace` avoids `bind_with_trace`, which takes avals from JAX 0.9 |
+| `jax._src.interpreters.partial_eval.dce_jaxpr` | `record_layers`' completeness check: which parameter leaves the loss depends on | unchanged |
+| `jax._src.ad_util.add_jaxvals_p` | the element-wise kind registers autodiff's `add_any` (`kinds/elementwise.py`) | unchanged |
 | `jax._src.sharding_impls.UnspecifiedValue` | tells a sharded `jit` from a plain one | unchanged |
 | `jax._src.source_info_util.user_frame` | `record_layers` names the source line of an unsupported use | unchanged |
 | `Primitive.get_bind_params`, `JaxprEqn.ctx` | `record_layers` re-binds a traced model's equations (as `jax.core.eval_jaxpr` does) | returns `(subfuns, params)` before JAX 0.7, `params` only after (`bind_eqn` detects which) |
@@ -43,7 +45,7 @@ from oryx.core import sow
 from oryx.core.interpreters import harvest
 
 __all__ = (
-    "NOT_MAPPED", "Primitive", "UnspecifiedValue",
+    "NOT_MAPPED", "Primitive", "UnspecifiedValue", "add_any_p", "used_inputs",
     "ad", "batching", "cond_p", "current_manual_axes", "harvest", "jaxpr_as_fun",
     "jaxprs_in_params", "jit_p", "mlir", "register_shard_map_identity", "remat_p",
     "scan_p", "set_current_trace", "sow", "subjaxprs", "take_current_trace", "while_p",
@@ -55,6 +57,20 @@ __all__ = (
 Primitive = jex.core.Primitive
 jaxpr_as_fun = jex.core.jaxpr_as_fun
 NOT_MAPPED = getattr(batching, "not_mapped", None)  # `None` itself from JAX 0.8.
+
+# The element-wise sum that JAX's autodiff inserts (`add_any`): no public name.
+from jax._src import ad_util as _ad_util  # noqa: E402  pylint: disable=g-import-not-at-top
+add_any_p = _ad_util.add_jaxvals_p
+
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+def used_inputs(jaxpr, output: int) -> list[bool]:
+  """Which inputs of `jaxpr` its output `output` depends on (JAX's dead-code
+  elimination, which knows every primitive's bodies)."""
+  used = [i == output for i in range(len(jaxpr.outvars))]
+  return list(_pe.dce_jaxpr(jaxpr, used)[1])
+
 
 set_current_trace = _core.set_current_trace
 take_current_trace = _core.take_current_trace

@@ -23,7 +23,7 @@ per example and vmapped inside the loss (the Equinox style) records the same lay
 because the weight is shared by the vmap and keeps its own shape.
 
 The analyses read these records as `MarkedUse`s (`_marked.py`), through the interface
-of the uses `gl.record_layers` finds in any model's jaxpr (`_view.py`), in one loop.
+of the uses `gl.record_layers` finds in any model's jaxpr (`_found.py`), in one loop.
 
 Marking Flax and Equinox layers:
 

@@ -2,7 +2,7 @@
 
 `gl.dense`, `gl.conv2d`, `gl.embed` and `gl.layer_norm` record a `LayerInputs`
 (`x`, `w`, `b`, kind, options). `MarkedUse` reads such a record through the
-interface `FoundUse` has (`_view.py`), so every analysis reads both families in one
+interface `FoundUse` has (`_found.py`), so every analysis reads both families in one
 loop:
 
 * `keys`: the result keys the use contributes to (its record name: weight and bias
@@ -36,7 +36,7 @@ from oryx_gradlog.record import _layers
 from oryx_gradlog.record._kinds import CONV, DENSE, EMBED, LAYER_NORM
 from oryx_gradlog.record._layers import HIGHEST, LayerInputs, WEIGHT_RANK, normalize
 from oryx_gradlog.record._record import VJPRecord
-from oryx_gradlog.record._view import (
+from oryx_gradlog.record._canonical import (
     LayerParams, LayerView, as_float, conv_patches, finish, fold_tied)
 
 # The rank of one example's input per call (the example axis included).

@@ -2,7 +2,7 @@
 
 `collect` checks an analysis's arguments and reads every layer record, hand-marked
 (`MarkedUse`) or found by `gl.record_layers` (`FoundUse`), as a layer use with one
-interface (`_view.py`). The `Selection` groups the uses by result key: a found
+interface (`_found.py`, `_marked.py`). The `Selection` groups the uses by result key: a found
 parameter's path (every use of it), or a hand-marked record's name (weight and bias
 together). Every analysis then has one loop over `groups` (per-key results) or
 `uses` (per-use work such as one vjp per use).
@@ -26,10 +26,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oryx_gradlog.record._canonical import LayerParams
+from oryx_gradlog.record._found import FoundUse
 from oryx_gradlog.record._kinds import NORM_KINDS, UNSUPPORTED
+from oryx_gradlog.record._layers import LayerInputs, WEIGHT_RANK
 from oryx_gradlog.record._marked import MarkedUse
-from oryx_gradlog.record._view import (
-    FoundUse, LayerParams, is_found_record, is_layer_record)
+from oryx_gradlog.record._record import VJPRecord
+from oryx_gradlog.record.record_layers import LayerUse
+
+
+def is_layer_record(record: Any) -> bool:
+  """Whether `record` was made by a layer helper (`dense`, `conv2d`, `embed`, ...)."""
+  return (isinstance(record, VJPRecord) and isinstance(record.primals, tuple)
+          and len(record.primals) == 1 and isinstance(record.primals[0], LayerInputs))
+
+
+def is_found_record(record: Any) -> bool:
+  """Whether `record` is a use that `record_layers` found."""
+  return (isinstance(record, VJPRecord) and isinstance(record.primals, tuple)
+          and len(record.primals) == 1 and isinstance(record.primals[0], LayerUse))
+
+
+def call_axes(record: VJPRecord) -> int:
+  """The number of leading call axes of a layer record (hand-marked or found)."""
+  layer = record.primals[0]
+  if isinstance(layer, LayerUse):
+    return len(layer.spec.calls)
+  return layer.w.ndim - WEIGHT_RANK[layer.kind]
+
 
 
 @dataclasses.dataclass(frozen=True)

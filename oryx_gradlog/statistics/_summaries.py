@@ -60,7 +60,7 @@ import numpy as np
 from jax import lax
 
 from oryx_gradlog.record._layers import LayerInputs
-from oryx_gradlog.record._view import call_axes, is_found_record, is_layer_record
+from oryx_gradlog.record._selection import call_axes, is_found_record, is_layer_record
 from oryx_gradlog.record._record import VJPRecord
 
 

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.record._kinds import DENSE
 from oryx_gradlog.record._selection import Selection
-from oryx_gradlog.record._view import LayerParams, LayerView, as_float
+from oryx_gradlog.record._canonical import LayerParams, LayerView, as_float
 
 _APPROXIMATIONS = ("expand", "reduce")
 

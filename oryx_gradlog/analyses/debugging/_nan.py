@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oryx_gradlog.record import _view
+from oryx_gradlog.record import _selection
 from oryx_gradlog.record._record import VJPRecord
 
 COTANGENT, INPUTS, OUTPUT = "cotangent", "inputs", "output"
@@ -165,7 +165,7 @@ def _float_leaves(tree):
 def found_order(records) -> list[str | tuple[str, ...]] | None:
   """The forward order of records that `gl.record_layers` found (all of them), with
   the uses in one scan body interleaved; `None` if some record was not found."""
-  if not records or not all(_view.is_found_record(r) for r in records.values()):
+  if not records or not all(_selection.is_found_record(r) for r in records.values()):
     return None
   specs = sorted(((r.primals[0].spec, n) for n, r in records.items()),
                  key=lambda item: item[0].position)
@@ -214,8 +214,8 @@ def _entries(records, order):
 def _call_axes(name, record, call_axes):
   if isinstance(call_axes, Mapping) and name in call_axes:
     return int(call_axes[name])
-  if _view.is_layer_record(record) or _view.is_found_record(record):
-    return _view.call_axes(record)
+  if _selection.is_layer_record(record) or _selection.is_found_record(record):
+    return _selection.call_axes(record)
   return 0 if isinstance(call_axes, Mapping) or call_axes is None else int(call_axes)
 
 
@@ -309,7 +309,7 @@ def _calls_shape(name, record, n):
 
 def _infer_batch_size(entries, records, axes):
   names = [n for e in entries for n in e]
-  layers = [n for n in names if _view.is_layer_record(records[n])]
+  layers = [n for n in names if _selection.is_layer_record(records[n])]
   for name in layers + names:
     for leaf in _float_leaves(_parts(records[name])[-1][1]) + _float_leaves(records[name]):
       if jnp.ndim(leaf) > axes[name]:

@@ -65,7 +65,7 @@ from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.analyses.curvature import _curvature
 from oryx_gradlog.record._kinds import CONV, DENSE
-from oryx_gradlog.record._view import LayerParams, as_float
+from oryx_gradlog.record._canonical import LayerParams, as_float
 
 
 @functools.partial(

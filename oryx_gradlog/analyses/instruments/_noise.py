@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example import _ghost
 from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED, GENERIC
-from oryx_gradlog.record._view import as_float
+from oryx_gradlog.record._canonical import as_float
 
 # Every kind but the hand-marked layer norm's.
 _KINDS = (DENSE, CONV, EMBED, ELEMENTWISE, GENERIC)

@@ -64,7 +64,7 @@ import numpy as np
 
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example import _ghost
-from oryx_gradlog.record._view import LayerParams
+from oryx_gradlog.record._canonical import LayerParams
 
 
 @functools.partial(
@@ -228,7 +228,7 @@ def clipped_grad(
     Array([[1.5]], dtype=float32)
   """
   from oryx_gradlog.record._reap import call_and_reap  # pylint: disable=g-import-not-at-top
-  from oryx_gradlog.record._record_layers import recorder  # pylint: disable=g-import-not-at-top
+  from oryx_gradlog.record.record_layers import recorder  # pylint: disable=g-import-not-at-top
   api = "clipped_grad"
   check_clip(api, l2_norm_clip)
   _common.check_reduction(api, reduction)

@@ -24,18 +24,16 @@ Sharp edges:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from oryx_gradlog.analyses import _common
-from oryx_gradlog.analyses.per_example import _ghost
-from oryx_gradlog.record import _record_layers, _view
+from oryx_gradlog.record import record_layers as _record_layers
+from oryx_gradlog.record._found import FoundUse
+from oryx_gradlog.record._kinds import UNSUPPORTED
 from oryx_gradlog.record._reap import reap
-from oryx_gradlog.record._record_layers import (
-    CONV, DENSE, ELEMENTWISE, EMBED, UNSUPPORTED)
 
 _TAG = "gradlog_layer_coverage"
 
@@ -128,24 +126,6 @@ def _si(n: int) -> str:
   return str(int(n))
 
 
-def _use_cost(use: _view.FoundUse, method: str) -> tuple[str, int, int]:
-  """`(method, multiply-adds, floats)` of one use's per-example norms, alone."""
-  batch = use.batch_size
-  w_size = math.prod(use.spec.avals[use.spec.param_args[0]].shape) * math.prod(
-      use.spec.calls)
-  view = use.view() if use.spec.kind in (DENSE, CONV, EMBED) else None
-  if view is not None:
-    chosen = _ghost.choose_method(view, method)
-    s, b, t, d_out = view.g.shape
-    d_in = 1 if view.kind == "embed" else view.x.shape[3]
-    macs, floats = _ghost.costs(view.kind, b, t, d_in, d_out, view.vocabulary)[chosen]
-    return chosen, s * macs, s * floats
-  out = math.prod(use.g.shape)
-  if use.spec.kind == ELEMENTWISE:
-    return _common.MATERIALIZED, out, batch * w_size
-  return _common.MATERIALIZED, batch * out, batch * (w_size + out)
-
-
 def layer_coverage(
     fun: Callable[..., Any],
     *args: Any,
@@ -193,9 +173,9 @@ def layer_coverage(
 
   def measure(*args, **kwargs):
     records = grad(*args, **kwargs)
-    uses: dict[str, list[_view.FoundUse]] = {}
+    uses: dict[str, list[FoundUse]] = {}
     for name, record in records.items():
-      use = _view.FoundUse.of(name, record)
+      use = FoundUse.of(name, record)
       for path in use.spec.paths:
         uses.setdefault(path, []).append(use)
     for path, group in uses.items():
@@ -208,7 +188,7 @@ def layer_coverage(
         row["note"] = f"not covered: {bad[0].spec.where} is not supported because " \
                       f"{bad[0].spec.reason}"
         continue
-      costs = [_use_cost(u, method) for u in group]
+      costs = [u.rules.cost(u, method) for u in group]
       if len(group) == 1 and group[0].simple:
         row["method"], row["macs"], row["floats"] = costs[0]
       else:

@@ -70,7 +70,7 @@ from oryx_gradlog.analyses._common import (
     GRAM, MATERIALIZED, dot, loss_scale, select)
 from oryx_gradlog.record._kinds import EMBED, LAYER_NORM, NORM_KINDS
 from oryx_gradlog.record._selection import Selection
-from oryx_gradlog.record._view import LayerView, as_float
+from oryx_gradlog.record._canonical import LayerView, as_float, choose_method
 
 
 
@@ -107,48 +107,6 @@ class PerExampleNorms:
   def method(self) -> dict[str, str]:
     """`methods` as a dict."""
     return dict(self.methods)
-
-
-def costs(kind: str, batch: int, positions: int, d_in: int, d_out: int,
-          vocabulary: int = 0) -> dict[str, tuple[int, int]]:
-  """Per method, `(multiply-adds, floats held)` of a layer's per-example squared norms.
-
-  Gram: `B T^2 (d_in + d_out)` multiply-adds and two `(B, T, T)` Gram matrices;
-  materialised: `B T d_in d_out` and the `(B, d_in, d_out)` per-example gradients
-  (an embedding: the scatter of `B T d` rows into `B` tables of `V d`). With `T = 1`
-  the Gram form is `|x_i|^2 |g_i|^2`.
-  """
-  b, t = batch, positions
-  if kind == EMBED:
-    gram = (b * t * t * (d_out + 1), b * t * t)
-    materialized = (b * (t + vocabulary) * d_out, b * vocabulary * d_out)
-  else:
-    gram = (b * t * t * (d_in + d_out), 2 * b * t * t)
-    materialized = (b * t * d_in * d_out, b * d_in * d_out)
-  return {GRAM: gram, MATERIALIZED: materialized}
-
-
-def cheaper(kind: str, batch: int, positions: int, d_in: int, d_out: int,
-            vocabulary: int = 0) -> str:
-  """The method `"auto"` chooses: materialised only where it takes fewer
-  multiply-adds *and* holds no more than the Gram form or the layer's activations."""
-  cost = costs(kind, batch, positions, d_in, d_out, vocabulary)
-  activations = batch * positions * (d_out if kind == EMBED else d_in + d_out)
-  (gram_macs, gram_floats), (mat_macs, mat_floats) = cost[GRAM], cost[MATERIALIZED]
-  if mat_macs < gram_macs and mat_floats <= max(gram_floats, activations):
-    return MATERIALIZED
-  return GRAM
-
-
-def choose_method(view: LayerView, method: str) -> str:
-  """Gram form or materialised per-example gradients, whichever costs less."""
-  if view.kind == LAYER_NORM:  # Its per-example gradient is one (d,) vector.
-    return MATERIALIZED
-  if method != "auto":
-    return method
-  b, t, d_out = view.g.shape[1:]
-  d_in = 1 if view.kind == EMBED else view.x.shape[3]
-  return cheaper(view.kind, b, t, d_in, d_out, view.vocabulary)
 
 
 def weight_squared_norms(view: LayerView, method: str) -> jax.Array:

@@ -1,0 +1,123 @@
+"""The dense kind: a `dot_general` of a batched input with a parameter.
+
+Dense layers, attention's 3-D kernels, `einsum`s and a tied output projection.
+Canonically `x` `(*calls, G, B, T, d_in)` and `g` `(*calls, G, B, T, d_out)`, with G
+the product of the `dot_general`'s batch dimensions (independent dense layers,
+folded into S), T the positions (the input's free axes other than the batch's),
+`d_in` the contracted axes and `d_out` the weight's free axes. Example i's gradient
+is `x_i^T g_i`; with one position, `sum_i (x_i^T g_i)^2 = (x^2)^T (g^2)`.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from oryx_gradlog.record._canonical import HIGHEST, LayerView, as_float, finish, fold_tied
+from oryx_gradlog.record._kinds import DENSE
+from oryx_gradlog.record.kinds import Kind, register, view_cost
+
+
+class Dense(Kind):
+  name = DENSE
+  primitives = (lax.dot_general_p,)
+
+  def recognise(self, eqn, ins, w) -> bool:
+    """A dot_general whose data operand has its batch axis among its free axes."""
+    x = 1 - w
+    contract, batch_dims = eqn.params["dimension_numbers"]
+    axis = ins[x].batch
+    return (axis is not None and axis[1] == 1 and axis[0] not in contract[x]
+            and axis[0] not in batch_dims[x])
+
+  def data_arg(self, use) -> int:
+    return 1 - use.w_arg
+
+  def per_example(self, use) -> tuple:
+    """`(*calls, B, *w)`: `x_i^T g_i` per example, in the parameter operand's layout."""
+    x, g, _ = canonical(use)
+    pe = jnp.einsum("...gbti,...gbto->...bgio", x, g, precision=HIGHEST)
+    return (layout(use, pe, use.n_calls + 1),)
+
+  def view(self, use) -> LayerView:
+    n = use.n_calls
+    x, g, groups = canonical(use)  # (*calls, G, B, T, d)
+
+    def flat(a):  # Groups as the major factor of the features, as `finish` expects.
+      a = jnp.moveaxis(a, n, n + 2)  # (*calls, B, T, G, d)
+      return a.reshape((math.prod(a.shape[:n]),) + a.shape[n:n + 2] + (-1,))
+
+    x, g, stack = fold_tied(flat(x), flat(g), tuple(use.g.shape[:n]), use.tied_calls)
+    return finish(DENSE, x, g, stack, groups, 0, False)
+
+  def sum_of_squares(self, use) -> jax.Array | None:
+    """`(*calls, *w)`: `sum_i (x_i^T g_i)^2` with one position per example and no
+    shared calls, as `(x^2)^T (g^2)`; else `None`."""
+    if any(use.tied_calls):
+      return None
+    x, g, _ = canonical(use)
+    if x.shape[-2] != 1:
+      return None
+    sq = jnp.einsum("...gbi,...gbo->...gio", x[..., 0, :] ** 2, g[..., 0, :] ** 2,
+                    precision=HIGHEST)
+    return layout(use, sq, use.n_calls)
+
+  def cost(self, use, method: str) -> tuple[str, int, int]:
+    return view_cost(use.view(), method) or super().cost(use, method)
+
+
+def _parts(use):
+  spec = use.spec
+  w_arg = use.w_arg
+  x_arg = 1 - w_arg
+  (lc, rc), (lb, rb) = spec.params["dimension_numbers"]
+  cx, cw = (lc, rc) if x_arg == 0 else (rc, lc)
+  bx_dims, bw_dims = (lb, rb) if x_arg == 0 else (rb, lb)
+  x_rank = len(spec.avals[x_arg].shape)
+  w_rank = len(spec.avals[w_arg].shape)
+  free_x = [a for a in range(x_rank) if a not in cx and a not in bx_dims]
+  free_w = [a for a in range(w_rank) if a not in cw and a not in bw_dims]
+  return x_arg, tuple(cx), tuple(cw), tuple(bx_dims), tuple(bw_dims), free_x, free_w
+
+
+def canonical(use):
+  """`x` `(*calls, G, B, T, d_in)`, `g` `(*calls, G, B, T, d_out)`, G."""
+  n = use.n_calls
+  x_arg, cx, _, bx_dims, _, free_x, free_w = _parts(use)
+  batch_axis = use.spec.batch[x_arg][0]
+  rest = [a for a in free_x if a != batch_axis]
+  x = use.operands[x_arg]
+  x_shape = x.shape[n:]
+  x = jnp.transpose(x, tuple(range(n)) + tuple(
+      n + a for a in (*bx_dims, batch_axis, *rest, *cx)))
+  groups = math.prod(x_shape[a] for a in bx_dims)
+  calls = x.shape[:n]
+  x = x.reshape(calls + (groups, x_shape[batch_axis], -1, math.prod(
+      x_shape[a] for a in cx)))
+  nb = len(bx_dims)
+  if x_arg == 0:
+    x_pos = {a: nb + i for i, a in enumerate(free_x)}
+    w_pos = [nb + len(free_x) + i for i in range(len(free_w))]
+  else:
+    w_pos = [nb + i for i in range(len(free_w))]
+    x_pos = {a: nb + len(free_w) + i for i, a in enumerate(free_x)}
+  order = (*range(nb), x_pos[batch_axis], *(x_pos[a] for a in rest), *w_pos)
+  g = jnp.transpose(use.g, tuple(range(n)) + tuple(n + p for p in order))
+  g_shape = use.g.shape[n:]
+  g = g.reshape(calls + (groups, x_shape[batch_axis], -1, math.prod(
+      g_shape[p] for p in w_pos)))
+  return as_float(x), as_float(g), groups
+
+
+def layout(use, q: jax.Array, lead: int) -> jax.Array:
+  """A canonical `(*lead, G, d_in, d_out)` in the parameter operand's layout."""
+  _, _, cw, _, bw_dims, _, free_w = _parts(use)
+  w_shape = use.spec.avals[use.w_arg].shape
+  order = (*bw_dims, *cw, *free_w)
+  q = q.reshape(q.shape[:lead] + tuple(w_shape[a] for a in order))
+  inverse = [order.index(a) for a in range(len(w_shape))]
+  return jnp.transpose(q, tuple(range(lead)) + tuple(lead + a for a in inverse))
+
+
+KIND = register(Dense())

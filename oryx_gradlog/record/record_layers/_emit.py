@@ -1,0 +1,102 @@
+"""The emitter: the traced jaxpr evaluated again, each use wrapped in a record site.
+
+Evaluates the jaxpr as `jax.core.eval_jaxpr` does, under whatever transformations
+are active, with every use the walk found bound inside `record_vjp(..., full=True)`,
+so that a reap collects a `VJPRecord` per use whose `primals[0]` is a `LayerUse`.
+
+Sharp edges:
+  * Inner `jit`s that hold uses are inlined (their shardings are not kept).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+
+from oryx_gradlog.record import _internals
+from oryx_gradlog.record._record import record_vjp
+from oryx_gradlog.record.record_layers._spec import LayerUse, UseSpec, _apply_use
+from oryx_gradlog.record.record_layers._walk import _Analysis
+
+
+# ----------------------------------------------------------------------------------
+# Re-emitting the jaxpr with the uses recorded.
+
+
+class _Emitter:
+  """Evaluates a jaxpr as `jax.core.eval_jaxpr` does, recording the uses."""
+
+  def __init__(self, analysis: _Analysis, specs: dict[tuple, UseSpec], tag: str):
+    self.analysis, self.specs, self.tag = analysis, specs, tag
+    self.values: dict[tuple, Any] = {}
+
+  def run(self, jaxpr, consts, args, invocation=()):
+    values = self.values
+    read = lambda v: (v.val if isinstance(v, jax.extend.core.Literal)
+                      else values[(invocation, v)])
+    for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
+      values[(invocation, var)] = value
+    for k, eqn in enumerate(jaxpr.eqns):
+      path = invocation + (k,)
+      invals = [read(v) for v in eqn.invars]
+      if path in self.specs:
+        outs = self.use(self.specs[path], invals)
+      elif path in self.analysis.inline:
+        outs = _EMIT[eqn.primitive.name](self, eqn, invals, path)
+      else:
+        outs = _internals.bind_eqn(eqn.primitive, eqn.params, invals, eqn.ctx)
+      for var, value in zip(eqn.outvars, outs):
+        values[(invocation, var)] = value
+    return [read(v) for v in jaxpr.outvars]
+
+  def use(self, spec: UseSpec, invals):
+    chain_inputs = () if spec.chain is None else tuple(
+        self.values[key] for key in spec.chain.keys)
+    layer = LayerUse(tuple(invals), chain_inputs, spec)
+    out = record_vjp(_apply_use, name=spec.name, tag=self.tag, full=True)(layer)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _emit_jit(emitter, eqn, invals, path):
+  closed = eqn.params["jaxpr"]
+  return emitter.run(closed.jaxpr, closed.consts, invals, path)
+
+
+def _emit_remat(emitter, eqn, invals, path):
+  body = lambda *args: emitter.run(eqn.params["jaxpr"], (), args, path)
+  return jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"],
+                        policy=eqn.params["policy"])(*invals)
+
+
+def _emit_cond(emitter, eqn, invals, path):
+  branches = [functools.partial(
+      lambda closed, b, *args: emitter.run(closed.jaxpr, closed.consts, args, path + (b,)),
+      closed, b) for b, closed in enumerate(eqn.params["branches"])]
+  return lax.switch(invals[0], branches, *invals[1:])
+
+
+def _emit_scan(emitter, eqn, invals, path):
+  params = eqn.params
+  closed = params["jaxpr"]
+  n_consts, n_carry = params["num_consts"], params["num_carry"]
+  consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
+                      invals[n_consts + n_carry:])
+
+  def body(carry, x):
+    outs = emitter.run(closed.jaxpr, closed.consts, [*consts, *carry, *x], path)
+    return outs[:n_carry], outs[n_carry:]
+
+  carry, ys = lax.scan(body, init, xs, length=params["length"], reverse=params["reverse"],
+                       unroll=params["unroll"])
+  return [*carry, *ys]
+
+
+_EMIT = {
+    "pjit": _emit_jit, "jit": _emit_jit, "closed_call": _emit_jit, "core_call": _emit_jit,
+    "remat2": _emit_remat, "checkpoint": _emit_remat,
+    "cond": _emit_cond,
+    "scan": _emit_scan,
+}

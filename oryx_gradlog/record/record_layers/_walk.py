@@ -1,0 +1,365 @@
+"""The classifying walk: one interpreter over the jaxprs at batch B and 2B in lockstep.
+
+Each value is classified (parameter, data, constant; its batch axis; its lineage
+back to a parameter leaf) by one rule per kind of equation, kept in `_RULES`; an
+equation where parameters meet the batch is a use, whose kind the table of kinds
+(`kinds/`) decides. Equations with bodies the walk enters (`jit`, `scan`, `cond`,
+`remat`) have rules of their own; every other equation, with bodies or without, is
+one operation (`_first_order`): a parameter entering a `custom_vjp` or a
+`while_loop` with a batched output is a generic use of the whole call.
+
+Sharp edges:
+  * An axis that doubles from the first trace to the second is a batch axis; code
+    whose structure depends on the batch size is an error (`_TraceMismatch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from oryx_gradlog.record import _internals, kinds
+from oryx_gradlog.record._kinds import GENERIC, UNSUPPORTED
+from oryx_gradlog.record.record_layers._spec import (
+    _LINEAR, Chain, Lineage, Step, _paths)
+
+
+# ----------------------------------------------------------------------------------
+# Classification of the values of a jaxpr.
+
+IRREGULAR = "irregular"
+
+
+@dataclasses.dataclass(frozen=True)
+class Info:
+  """What the analysis knows of one value.
+
+  Attributes:
+    params: the parameter leaves it depends on.
+    data: whether it depends on the batch arguments.
+    batch: its batch axis `(axis, factor)`, `None`, or `IRREGULAR`.
+    lineage: for a value of parameters alone, its `Lineage` or `Chain` (`None`
+      where it has neither: a parameter carried through a loop).
+    coupled: whether examples are mixed in it (reduced over the batch and used per
+      example again, or an axis that is not the batch's).
+  """
+
+  params: frozenset = frozenset()
+  data: bool = False
+  batch: Any = None
+  lineage: Any = None
+  coupled: bool = False
+
+  @property
+  def is_param(self) -> bool:
+    return bool(self.params) and not self.data and self.batch is None
+
+
+_CONST = Info()
+
+
+def _batch_axis(aval1, aval2, batch_size: int):
+  """`(axis, factor)` of the one axis that doubles from `aval1` to `aval2`."""
+  shape1, shape2 = getattr(aval1, "shape", None), getattr(aval2, "shape", None)
+  if shape1 == shape2:
+    return None
+  if shape1 is None or shape2 is None or len(shape1) != len(shape2):
+    return IRREGULAR
+  axes = []
+  for axis, (n1, n2) in enumerate(zip(shape1, shape2)):
+    if n1 == n2:
+      continue
+    if n2 != 2 * n1 or n1 % batch_size:
+      return IRREGULAR
+    axes.append((axis, n1 // batch_size))
+  return axes[0] if len(axes) == 1 else IRREGULAR
+
+
+def _where(eqn) -> str:
+  """The primitive and, where JAX kept it, the user's source line."""
+  line = _internals.source_line(eqn)
+  return f"{eqn.primitive.name}" + (f" ({line})" if line else "")
+
+
+def _static_params(params: dict) -> tuple:
+  return tuple(sorted(params.items()))
+
+
+@dataclasses.dataclass
+class _Use:
+  """A use found by the analysis, before it is named (internal)."""
+
+  eqn: Any
+  kind: str
+  param_args: tuple
+  lineages: tuple
+  chain: Chain | None
+  batch: tuple
+  out_batch: Any
+  calls: tuple
+  reason: str = ""
+  leaves: frozenset = frozenset()  # The parameter leaves its parameter operands read.
+
+  def paths(self) -> tuple[str, ...]:
+    return _paths((*self.lineages, self.chain))
+
+
+class _TraceMismatch(Exception):
+  """The traces at batch B and 2B differ in structure."""
+
+  def __init__(self, path, what):
+    super().__init__(what)
+    self.path, self.what = path, what
+
+
+class _Analysis:
+  """Walks the jaxprs at batch B and 2B in lockstep, classifies values, finds uses.
+
+  Equations are identified by their path: indices of the equation and of the
+  enclosing equations (and cond branches), outermost first, which is also how the
+  interpreter finds them. The path of a body's invocation is that of its equation.
+  """
+
+  def __init__(self, batch_size: int):
+    self.batch_size = batch_size
+    self.uses: dict[tuple, _Use] = {}
+    self.inline: set[tuple] = set()  # Equations with uses or chains inside.
+    self.coupling = ""  # Where examples are first mixed, if anywhere.
+
+  def run(self, jaxpr1, jaxpr2, in_infos, invocation=(), calls=()):
+    """Returns the infos of `jaxpr1`'s outputs, given those of its inputs."""
+    env = dict(zip(jaxpr1.invars, in_infos))
+    read = lambda v: _CONST if isinstance(v, jax.extend.core.Literal) else env.get(v, _CONST)
+    if len(jaxpr1.eqns) != len(jaxpr2.eqns):
+      raise _TraceMismatch(invocation, f"{len(jaxpr1.eqns)} vs {len(jaxpr2.eqns)} equations")
+    for k, (e1, e2) in enumerate(zip(jaxpr1.eqns, jaxpr2.eqns)):
+      if e1.primitive is not e2.primitive or len(e1.outvars) != len(e2.outvars):
+        raise _TraceMismatch(invocation + (k,), f"{e1.primitive} vs {e2.primitive}")
+      ins = [read(v) for v in e1.invars]
+      batches = [_batch_axis(v1.aval, v2.aval, self.batch_size)
+                 for v1, v2 in zip(e1.outvars, e2.outvars)]
+      rule = _RULES.get(e1.primitive.name, _first_order)
+      outs = rule(self, e1, e2, ins, batches, invocation, invocation + (k,), calls)
+      env.update(zip(e1.outvars, outs))
+    return [read(v) for v in jaxpr1.outvars]
+
+  def mark(self, path):
+    for i in range(1, len(path)):
+      self.inline.add(path[:i])
+
+  def add_use(self, path, use: _Use):
+    self.uses[path] = use
+    self.mark(path)
+
+
+def _join(infos, batch=None) -> Info:
+  return Info(params=frozenset().union(*(i.params for i in infos)),
+              data=any(i.data for i in infos), batch=batch,
+              coupled=any(i.coupled for i in infos))
+
+
+def _chain_of(invocation, eqn, ins, target) -> Chain:
+  """The chain computing `target` (an output of `eqn`) from its inputs' lineages."""
+  keys, eqns, aliases = {}, {}, {}
+  for var, info in zip(eqn.invars, ins):
+    if isinstance(var, jax.extend.core.Literal):
+      continue
+    if isinstance(info.lineage, Chain):
+      for key, lineage in zip(info.lineage.keys, info.lineage.inputs):
+        keys.setdefault(key, lineage)
+      eqns.update(((i, id(e)), (i, e)) for i, e in info.lineage.eqns)
+      aliases.update(info.lineage.aliases)
+    else:
+      keys.setdefault((invocation, var), info.lineage if info.is_param else None)
+  eqns[(invocation, id(eqn))] = (invocation, eqn)
+  return Chain(tuple(keys), tuple(keys.values()), tuple(eqns.values()), target,
+               aliases=tuple(aliases.items()))
+
+
+def _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  """Any equation whose bodies (if it has any) are not looked into."""
+  param_args = tuple(i for i, info in enumerate(ins) if info.is_param)
+  data = any(i.data for i in ins)
+  batched = any(b is not None for b in batches)
+  # Examples mix where a batched output takes data reduced over the batch.
+  coupling = any(b == IRREGULAR for b in batches) or (
+      batched and any(i.data and i.batch is None for i in ins))
+  coupled = coupling or any(i.coupled for i in ins)
+  if coupling and not analysis.coupling:
+    analysis.coupling = _where(eqn)
+  if param_args and batched:  # Parameters meet the batch: a use.
+    analysis.add_use(path, _classify(eqn, ins, batches, param_args, calls, coupled))
+  elif param_args and not data:  # A function of parameters alone.
+    if (len(ins) == 1 and len(eqn.outvars) == 1 and eqn.primitive.name in _LINEAR
+        and isinstance(ins[0].lineage, Lineage)):
+      aval = eqn.invars[0].aval
+      step = Step("view", eqn.primitive, _static_params(eqn.params), tuple(aval.shape),
+                  aval.dtype)
+      return [dataclasses.replace(ins[0], lineage=ins[0].lineage.then(step))]
+    analysis.mark(path)
+    base = _join(ins)
+    return [dataclasses.replace(base, lineage=_chain_of(invocation, eqn, ins, (invocation, v)))
+            for v in eqn.outvars]
+  elif param_args:  # Parameters meet data with no batch axis.
+    analysis.add_use(path, _Use(
+        eqn, UNSUPPORTED, param_args, tuple(ins[i].lineage for i in param_args), None,
+        tuple(i.batch for i in ins), None, calls,
+        reason="it meets data that has no batch axis (a term added to the batch loss, "
+               "or statistics over the batch), so it has no per-example gradient",
+        leaves=frozenset().union(*(ins[i].params for i in param_args))))
+  return [_join(ins, b) if b is None else dataclasses.replace(_join(ins, b), coupled=coupled)
+          for b in batches]
+
+
+def _classify(eqn, ins, batches, param_args, calls, coupled) -> _Use:
+  """The kind of a use, or why it is unsupported."""
+  lineages = tuple(ins[i].lineage for i in param_args)
+  chains = [l for l in lineages if isinstance(l, Chain)]
+  out_batch = batches[0] if len(batches) == 1 else IRREGULAR
+  use = _Use(eqn, GENERIC, param_args,
+             tuple(l if isinstance(l, Lineage) else None for l in lineages),
+             chains[0] if chains else None, tuple(i.batch for i in ins), out_batch, calls,
+             leaves=frozenset().union(*(ins[i].params for i in param_args)))
+  reason = ""
+  if len(batches) > 1:
+    reason = ("the operation has several outputs (a custom_jvp/custom_vjp function or "
+              "a loop holding the parameter); apply it to the parameter outside, or "
+              "give it one output")
+  elif coupled or out_batch == IRREGULAR or any(i.batch == IRREGULAR for i in ins):
+    reason = ("its output mixes examples (a value reduced over the batch, or an axis "
+              "that is not the batch's), so it has no per-example gradient")
+  elif any(l is None for l in lineages):
+    reason = ("it takes a function of parameters carried through a loop or returned by "
+              "a cond; compute it where it is used")
+  elif any(c.crossed for c in chains):
+    reason = ("it takes a function of parameters computed outside the scan, cond or "
+              "remat it is in; compute it inside (views such as reshapes and casts "
+              "may cross)")
+  elif chains and len(param_args) > 1:
+    reason = "it takes several parameter operands made by functions of parameters"
+  if reason:
+    use.kind, use.reason = UNSUPPORTED, reason
+    return use
+  if len(param_args) == 1 and len(batches) == 1:
+    use.kind = kinds.classify(eqn, ins, param_args[0])
+  return use
+
+
+def _reshape(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  """A reshape keeps a batch axis only as the outer factor of the axis it lands in."""
+  outs = _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls)
+  (info,), (out,) = ins, outs
+  if info.batch in (None, IRREGULAR) or out.batch in (None, IRREGULAR):
+    return outs
+  in_shape, out_shape = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+  if math.prod(in_shape[:info.batch[0]]) != math.prod(out_shape[:out.batch[0]]):
+    return [dataclasses.replace(out, batch=IRREGULAR, coupled=True)]
+  return outs
+
+
+def _cross(info: Info, step: Step | None) -> Info:
+  """The info of a value passed into a body: lineages cross, chains are marked."""
+  if not info.is_param:
+    return info
+  if isinstance(info.lineage, Lineage):
+    return dataclasses.replace(
+        info, lineage=info.lineage if step is None else info.lineage.then(step))
+  if isinstance(info.lineage, Chain):
+    return dataclasses.replace(info, lineage=dataclasses.replace(info.lineage, crossed=True))
+  return info
+
+
+def _with_batches(outs, batches):
+  return [dataclasses.replace(o, batch=b) for o, b in zip(outs, batches)]
+
+
+def _renamed(info: Info, invocation, var) -> Info:
+  """`info` of a value that a `jit` boundary renames to `var` in `invocation` (chains
+  follow)."""
+  if isinstance(info.lineage, Chain) and isinstance(var, jax.extend.core.Var):
+    return dataclasses.replace(info, lineage=info.lineage.renamed((invocation, var)))
+  return info
+
+
+def _jit(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  """A `jit` body is looked into as if inlined (and inlined where it holds uses)."""
+  body = eqn.params["jaxpr"].jaxpr
+  outs = analysis.run(body, eqn2.params["jaxpr"].jaxpr,
+                      [_renamed(i, path, v) for i, v in zip(ins, body.invars)], path, calls)
+  outs = [_renamed(o, invocation, v) for o, v in zip(outs, eqn.outvars)]
+  return _with_batches(outs, batches)
+
+
+def _remat(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  outs = analysis.run(eqn.params["jaxpr"], eqn2.params["jaxpr"],
+                      [_cross(i, None) for i in ins], path, calls)
+  # A function of parameters made in the body is, outside it, the whole remat call
+  # (the body's own values live in the checkpoint's trace).
+  outs = [dataclasses.replace(o, lineage=_chain_of(invocation, eqn, ins, (invocation, v)))
+          if isinstance(o.lineage, Chain) else o for o, v in zip(outs, eqn.outvars)]
+  return _with_batches(outs, batches)
+
+
+def _cond(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  operands = [_cross(i, None) for i in ins[1:]]
+  outs = [analysis.run(b1.jaxpr, b2.jaxpr, operands, path + (b,), calls)
+          for b, (b1, b2) in enumerate(zip(eqn.params["branches"], eqn2.params["branches"]))]
+  return [dataclasses.replace(_join([ins[0], *infos], b), lineage=None)
+          for infos, b in zip(zip(*outs), batches)]
+
+
+def _scan(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  params = eqn.params
+  body1, body2 = params["jaxpr"].jaxpr, eqn2.params["jaxpr"].jaxpr
+  n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
+  consts = [_cross(i, Step("tied", length=length)) for i in ins[:n_consts]]
+  carry = [dataclasses.replace(i, lineage=None) for i in ins[n_consts:n_consts + n_carry]]
+  xs = [_cross(i, Step("stacked", in_shape=tuple(v.aval.shape), length=length))
+        for i, v in zip(ins[n_consts + n_carry:], eqn.invars[n_consts + n_carry:])]
+
+  def body_infos(infos):  # Batch axes inside the body, from its own shapes.
+    return [dataclasses.replace(
+        i, batch=_batch_axis(v1.aval, v2.aval, analysis.batch_size))
+        for i, v1, v2 in zip(infos, body1.invars, body2.invars)]
+
+  for _ in range(len(carry) + 2):  # The carry's classes are a fixed point of the body.
+    for stale in [p for p in analysis.uses if p[:len(path)] == path]:
+      del analysis.uses[stale]  # Found with an earlier guess of the carry's classes.
+    outs = analysis.run(body1, body2, body_infos(consts + carry + xs), path,
+                        calls + ((path, length),))
+    new = [dataclasses.replace(_join([c, o]), lineage=None)
+           for c, o in zip(carry, outs[:n_carry])]
+    if [(n.params, n.data, n.coupled) for n in new] == [
+        (c.params, c.data, c.coupled) for c in carry]:
+      break
+    carry = new
+  ys = [dataclasses.replace(o, lineage=None) for o in outs[n_carry:]]
+  return _with_batches(carry + ys, batches)
+
+
+def _identity(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  """Record sites and Oryx sows: identities on their operands (after any residuals)."""
+  n = len(ins) - len(eqn.outvars)
+  return _with_batches(ins[n:], batches)
+
+
+_RULES: dict[str, Callable] = {
+    "gradlog_site": _identity,
+    "gradlog_after": _identity,
+    "gradlog_batch_first": _identity,
+    "gradlog_cotangent": _identity,
+    "sow": _identity,
+    "reshape": _reshape,
+    "pjit": _jit,
+    "jit": _jit,
+    "closed_call": _jit,
+    "core_call": _jit,
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "cond": _cond,
+    "scan": _scan,
+}
