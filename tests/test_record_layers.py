@@ -885,3 +885,15 @@ def test_a_parameter_reaching_the_loss_without_the_batch_is_an_error():
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
   with pytest.raises(ValueError, match="'s'"):
     gl.layer_coverage(loss, params, x)
+
+
+@pytest.mark.parametrize("mode", ["promise_in_bounds", "clip", "fill"])
+def test_out_of_range_ids_get_the_gradient_jax_grad_gives(mode):
+  """`table[ids]` and `mode="fill"` drop an out-of-range id's gradient, `mode="clip"`
+  sends it to the clamped row: per-example norms and clipping as vmap(grad)."""
+  def per_example(p, ids):
+    if mode == "promise_in_bounds":
+      return _sq(p["table"][ids])
+    return _sq(jnp.take(p["table"], ids, axis=0, mode=mode))
+  ids = jnp.array([[1, 9, 2], [6, 6, 0], [3, 4, 12], [5, 0, 1]])  # 9 and 12 are out of range.
+  check_found(_batch_loss(per_example), {"table": _normal(1, 7, 3)}, ids)

@@ -76,8 +76,8 @@ def _vocabulary_axis(use) -> int:
 
 
 def canonical(use):
-  """`ids` `(*calls, B, T)` and `g` `(*calls, B, T, d)`: ids that the gather drops
-  (out of range, `mode="fill"`) have `g` zero; the others are clamped as it clamps."""
+  """`ids` `(*calls, B, T)` and `g` `(*calls, B, T, d)`, out-of-range ids as the
+  gather's vjp has them: clamped with `mode="clip"`, else dropped (`g` zero)."""
   spec, n = use.spec, use.n_calls
   dims = spec.params["dimension_numbers"]
   axis, _ = spec.batch[1]
@@ -94,7 +94,9 @@ def canonical(use):
   g = jnp.transpose(use.g, tuple(range(n)) + tuple(n + a for a in order))
   d = math.prod(table_shape) // vocabulary
   g = jnp.moveaxis(g, n + axis, n).reshape(calls + (batch, -1, d))
-  if spec.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP:
+  if spec.params["mode"] != lax.GatherScatterMode.CLIP:
+    # The gather's transpose drops out-of-range ids (fill, and the in-bounds promise
+    # of `table[ids]`); only mode="clip" sends them to the row it clamps them to.
     valid = (ids >= 0) & (ids < vocabulary)
     g = jnp.where(valid[..., None], g, 0)
   return jnp.clip(ids, 0, vocabulary - 1), as_float(g)
