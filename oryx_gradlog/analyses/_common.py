@@ -16,12 +16,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from oryx_gradlog.record._canonical import GRAM, MATERIALIZED
+# `dot` (einsum at the highest precision) is the analyses' too.
+from oryx_gradlog.record._canonical import GRAM, MATERIALIZED, dot  # noqa: F401
 from oryx_gradlog.record._kinds import NORM_KINDS
-from oryx_gradlog.record._layers import HIGHEST
 from oryx_gradlog.record._selection import Selection, collect
 
 METHODS = ("auto", GRAM, MATERIALIZED)
@@ -65,7 +62,3 @@ def select(api: str, records: dict[str, Any], *, reduction: str,
     raise ValueError(f"{api}(method={method!r}): method must be one of {METHODS}.")
   return collect(api, records, names, kinds, tied)
 
-
-def dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """`jnp.einsum` at the highest precision (the analyses' sums of products)."""
-  return jnp.einsum(spec, a, b, precision=HIGHEST)

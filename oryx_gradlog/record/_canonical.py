@@ -35,6 +35,11 @@ from oryx_gradlog.record._layers import HIGHEST
 GRAM, MATERIALIZED = "gram", "materialized"
 
 
+def dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """`jnp.einsum` at the highest precision (the analyses' sums of products)."""
+  return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
 @functools.partial(
     jax.tree_util.register_dataclass, data_fields=["w", "b"], meta_fields=[]
 )

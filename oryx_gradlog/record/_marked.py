@@ -34,10 +34,10 @@ from jax import lax
 
 from oryx_gradlog.record import _layers
 from oryx_gradlog.record._kinds import CONV, DENSE, EMBED, LAYER_NORM
-from oryx_gradlog.record._layers import HIGHEST, LayerInputs, WEIGHT_RANK, normalize
+from oryx_gradlog.record._layers import LayerInputs, WEIGHT_RANK, normalize
 from oryx_gradlog.record._record import VJPRecord
 from oryx_gradlog.record._canonical import (
-    LayerParams, LayerView, as_float, conv_patches, finish, fold_tied)
+    LayerParams, LayerView, as_float, conv_patches, dot, finish, fold_tied)
 
 # The rank of one example's input per call (the example axis included).
 _INPUT_RANK = {DENSE: 2, CONV: 4, EMBED: 1, LAYER_NORM: 2}
@@ -99,8 +99,9 @@ class MarkedUse:
 
   @property
   def keeps_calls(self) -> bool:
-    """Results keep the call axes (calls of one name are layers of their own)."""
-    return not self.tied
+    """Results keep the view's call axes (calls of one name are layers of their own;
+    a tied record's view has none)."""
+    return True
 
   @property
   def simple(self) -> bool:
@@ -238,7 +239,6 @@ class MarkedUse:
 
 def dense_sum_of_squares(x: jax.Array, g: jax.Array, chunk_size: int | None) -> jax.Array:
   """`(S, d_in, d_out)`: sum over examples of the squared `x_i^T g_i` of a view."""
-  dot = lambda spec, a, b: jnp.einsum(spec, a, b, precision=HIGHEST)
   if x.shape[2] == 1:
     return dot("sbd,sbe->sde", x[:, :, 0] ** 2, g[:, :, 0] ** 2)
   batch = x.shape[1]

@@ -10,7 +10,7 @@ together). Every analysis then has one loop over `groups` (per-key results) or
 Sharp edges:
   * A use that reads several parameters is in each of their groups; `uses` has it
     once, so per-use work (`weighted`, `products`) is done once.
-  * `split` places a parameter-shaped tree by key: found keys through the
+  * `splitter` places a parameter-shaped tree by key: found keys through the
     recorded parameter tree, hand-marked ones through `where=` or, without it, by
     finding the record's weight among the leaves (the same array or tracer; outside
     a trace, the one leaf with equal values).
@@ -19,7 +19,7 @@ Sharp edges:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -118,16 +118,21 @@ class Selection:
     path; `{}` without found uses."""
     return {} if self.tree is None else _found_leaves(api, self.tree, tree)
 
-  def split(self, api: str, tree: Any, params: Any, where: Any = None,
-            ) -> dict[str, LayerParams]:
-    """`tree` (shaped like `params`, the parameters the gradient was taken at) by key."""
-    out = self.by_path(api, tree)
+  def splitter(self, api: str, params: Any, where: Any = None,
+               ) -> Callable[[Any], dict[str, LayerParams]]:
+    """A function placing a tree shaped like `params` (the parameters the gradient
+    was taken at) by key; the hand-marked layers' leaves are found once, here."""
     marked = [u for u in self.uses if isinstance(u, MarkedUse)]
-    if marked:
+    sources = _marked_sources(api, marked, params, where) if marked else {}
+
+    def split(tree: Any) -> dict[str, LayerParams]:
+      out = self.by_path(api, tree)
       leaves = jax.tree.leaves(tree)
-      for name, (w, b) in _marked_sources(api, marked, params, where).items():
+      for name, (w, b) in sources.items():
         out[name] = LayerParams(leaves[w], None if b is None else leaves[b])
-    return out
+      return out
+
+    return split
 
 
 def _found_leaves(api, param_tree, tree) -> dict[str, LayerParams]:

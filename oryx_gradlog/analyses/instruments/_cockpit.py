@@ -365,7 +365,7 @@ def training_instruments(
 
   def slopes(selection, directions):
     """`(B,)`: per example, `<grad l_i, direction>` over the recorded layers, the
-    direction by key (`Selection.split`)."""
+    direction by key (`Selection.splitter`)."""
     total = selection.products(directions)
     return _common.loss_scale(reduction, total.shape[0]) * total
 
@@ -437,7 +437,7 @@ def training_instruments(
     begun = None
     if weighted:
       selection = selection_of(records)
-      split = lambda tree: selection.split(f"{api}.update", tree, params, where)
+      split = selection.splitter(f"{api}.update", params, where)
       loss_1 = (jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1))
       slope_var = jnp.var(slopes(selection, split(state.previous_update)), ddof=1)
       size = jnp.sqrt(sum(sums["previous_size"]))
@@ -469,7 +469,7 @@ def training_instruments(
       zero = jnp.zeros((), jnp.float32)
       return (jnp.asarray(loss, jnp.float32), zero), (slope, zero)
     selection = selection_of(records)
-    directions = selection.split(f"{api}.update", updates, params, where)
+    directions = selection.splitter(f"{api}.update", params, where)(updates)
     return ((jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1)),
             (slope, jnp.var(slopes(selection, directions), ddof=1)))
 
@@ -492,8 +492,8 @@ def training_instruments(
                        for v in jax.tree.leaves(m.sum_squares))
           measured["tic_trace"] = second / batch / (trace + _TIC_EPS)
         if "tic_diag" in wants:
-          curvatures = selection_of(records).split(f"{api}.update", diagonal, params,
-                                                    where)
+          curvatures = selection_of(records).splitter(f"{api}.update", params,
+                                                       where)(diagonal)
           measured["tic_diag"] = sum(
               jnp.sum(s / batch / (h.reshape(s.shape) + _TIC_EPS))
               for name, m in moments.items()

@@ -162,7 +162,7 @@ def layer_coverage(
     ('gram', 'elementwise', ['unused'])
   """
   api = "layer_coverage"
-  if method not in ("auto", _common.GRAM, _common.MATERIALIZED):
+  if method not in _common.METHODS:
     raise ValueError(f"{api}(method={method!r}): method must be 'auto', 'gram' or "
                      "'materialized'.")
   recorded = _record_layers.recorder(fun, argnums=argnums, batch_argnums=batch_argnums,

@@ -73,7 +73,6 @@ from oryx_gradlog.record._selection import Selection
 from oryx_gradlog.record._canonical import LayerView, as_float, choose_method
 
 
-
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["layers", "norms"],

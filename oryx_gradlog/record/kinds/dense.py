@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog.record._canonical import HIGHEST, LayerView, as_float, finish, fold_tied
+from oryx_gradlog.record._canonical import LayerView, as_float, dot, finish, fold_tied
 from oryx_gradlog.record._kinds import DENSE
 from oryx_gradlog.record.kinds import Kind, register, view_cost
 
@@ -37,7 +37,7 @@ class Dense(Kind):
   def per_example(self, use) -> tuple:
     """`(*calls, B, *w)`: `x_i^T g_i` per example, in the parameter operand's layout."""
     x, g, _ = canonical(use)
-    pe = jnp.einsum("...gbti,...gbto->...bgio", x, g, precision=HIGHEST)
+    pe = dot("...gbti,...gbto->...bgio", x, g)
     return (layout(use, pe, use.n_calls + 1),)
 
   def view(self, use) -> LayerView:
@@ -59,8 +59,7 @@ class Dense(Kind):
     x, g, _ = canonical(use)
     if x.shape[-2] != 1:
       return None
-    sq = jnp.einsum("...gbi,...gbo->...gio", x[..., 0, :] ** 2, g[..., 0, :] ** 2,
-                    precision=HIGHEST)
+    sq = dot("...gbi,...gbo->...gio", x[..., 0, :] ** 2, g[..., 0, :] ** 2)
     return layout(use, sq, use.n_calls)
 
   def cost(self, use, method: str) -> tuple[str, int, int]:
