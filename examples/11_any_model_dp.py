@@ -20,6 +20,9 @@ marked, and there is no `where` map from layers to parameters.
    (dp-accounting's RDP).
 4. Every step's per-example norms go to a `gl.RunLog` (zarr, written off the
    training thread).
+5. After training, which training windows did this: `gl.fit_influence` (EK-FAC)
+   on the same loss, the most helpful and most harmful windows for a few held-out
+   ones, and the windows the model finds most surprising (self-influence).
 
 The jitted step donates its parameters and optimizer state
 (`jax.jit(..., donate_argnums=(0, 1))`): XLA may write the new ones into the old
@@ -234,6 +237,20 @@ def main(argv=None):
   print(f"held-out loss: {before / np.log(2):.2f} -> {after / np.log(2):.2f} bits per character")
   print(f"greedy sample: {sample(graphdef, params, rest, alphabet)!r}")
 
+  # 5. Which training windows did this (influence functions, no model line changed).
+  pool = [(train[i:i + 128, :-1], train[i:i + 128, 1:], jnp.ones(128))
+          for i in range(0, 512, 128)]
+  queries = [(held_out[:4, :-1], held_out[:4, 1:], jnp.ones(4))]
+  influence = gl.fit_influence(loss, params, pool)
+  scores = influence.scores(queries, pool)
+  helpful, harmful = gl.Influence.top_k(scores, 2)
+  text = lambda window: "".join(alphabet[int(c)] for c in window)
+  for q in range(2):
+    print(f"held-out {text(held_out[q])!r}: helped most by {text(train[helpful[q, 0]])!r}, "
+          f"hurt most by {text(train[harmful[q, 0]])!r}")
+  surprising = np.argsort(-influence.self_influence(pool))[:2]
+  print(f"most surprising training windows: {[text(train[i]) for i in surprising]}")
+
   # Check: step 0 against plain JAX (vmap(grad) + clipping, the same noise and SGD).
   assert counts.max() <= PADDED_BATCH, "a batch overflowed its padding"
   assert epsilon <= TARGET_EPSILON * (1 + 1e-6)
@@ -248,9 +265,19 @@ def main(argv=None):
   assert run.sizes["step"] == steps
   np.testing.assert_allclose(run["norms"].values[0], expected_norms, rtol=1e-4, atol=1e-6)
   assert after < before
+  # Influence: identity scores of the last parameters are vmap(grad) inner products.
+  plain = gl.fit_influence(loss, params, pool[:1], strategy="identity")
+  flat = lambda g: jnp.concatenate([v.reshape(v.shape[0], -1) for v in jax.tree.leaves(g)], 1)
+  grads = lambda b: flat(jax.vmap(jax.grad(lambda p, *ex: loss(p, *(v[None] for v in ex))),
+                                  in_axes=(None, 0, 0, 0))(params, *b))
+  expected = np.asarray(grads(queries[0]) @ grads(pool[0]).T)
+  np.testing.assert_allclose(plain.scores(queries, pool[:1]), expected, rtol=1e-3,
+                             atol=1e-4 * np.abs(expected).max())
+  assert np.all(np.isfinite(scores))
   print(f"check: step 0's update and per-example norms (as the RunLog stored them) equal "
-        f"the vmap(grad) + clipping reference's; {len(jax.tree.leaves(params))} parameters, "
-        "no model line changed")
+        f"the vmap(grad) + clipping reference's, and the influence scores' gradient "
+        f"products vmap(grad)'s; {len(jax.tree.leaves(params))} parameters, no model line "
+        "changed")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,12 @@ from oryx_gradlog.analyses.instruments._cockpit import (
     logarithmic_schedule,
     training_instruments,
 )
+from oryx_gradlog.analyses.attribution._lds import lds
+from oryx_gradlog.analyses.attribution._influence import (
+    Influence,
+    InfluenceFactors,
+    fit_influence,
+)
 from oryx_gradlog.analyses.curvature._curvature import (
     KFACFactors,
     gradient_variance,
@@ -141,6 +147,8 @@ __all__ = (
     "GradientHistograms",
     "GradientNoise",
     "GradientSNR",
+    "Influence",
+    "InfluenceFactors",
     "InstrumentsState",
     "InstrumentsTransform",
     "KFACFactors",
@@ -175,6 +183,7 @@ __all__ = (
     "embed",
     "export_tensorboard",
     "find_nonfinite",
+    "fit_influence",
     "gradient_histograms",
     "gradient_noise_scale",
     "gradient_snr",
@@ -185,6 +194,7 @@ __all__ = (
     "kfac_factors",
     "layer_coverage",
     "layer_norm",
+    "lds",
     "linear_schedule",
     "logarithmic_schedule",
     "magnitude_bins",

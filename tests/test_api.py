@@ -29,7 +29,9 @@ def test_all_is_the_documented_api():
       "linear_schedule", "logarithmic_schedule",
       # Any model, unchanged (issue 17).
       "LayerCoverage", "LayerUse", "ParamCoverage", "UseCoverage", "clipped_grad",
-      "layer_coverage", "record_layers"])
+      "layer_coverage", "record_layers",
+      # Training-data attribution (issue 25).
+      "Influence", "InfluenceFactors", "fit_influence", "lds"])
   assert gl.DEFAULT_TAG == "vjp"
   assert list(gl.__all__) == sorted(gl.__all__)
 

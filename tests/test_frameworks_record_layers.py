@@ -15,6 +15,7 @@ The record names must be the parameter paths.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from per_example import check_clipped_grad, check_found, per_example_grads
 
@@ -60,6 +61,22 @@ def _check(per_example, params, batch, names):
   assert all(k and k <= {"dense", "conv", "embed", "elementwise"} for k in kinds.values()), (
       kinds)
   assert coverage.uncovered == [] and coverage.unused == []
+  _check_influence(mean, params, batch, grads)
+
+
+def _check_influence(loss, params, batch, grads):
+  """`fit_influence` on the stock model: identity scores are vmap(grad)'s inner
+  products, and so are EK-FAC's under a damping that swamps the curvature (each
+  block's rotated gradients hold the whole per-example gradient, biases in their
+  layers' blocks included)."""
+  flat = np.concatenate([np.asarray(g, np.float64).reshape(B, -1)
+                         for g in jax.tree.leaves(grads)], 1)
+  expected = flat @ flat.T
+  for strategy, damping, scale in (("identity", None, 1.0), ("ekfac", 1e6, 1e6)):
+    influence = gl.fit_influence(loss, params, [batch], strategy=strategy, damping=damping)
+    got = scale * np.asarray(influence.scores([batch], [batch]), np.float64)
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max(),
+                               err_msg=strategy)
 
 
 def _stack_batch():

@@ -227,8 +227,16 @@ def _found(w, x, y):
   return jnp.mean(losses), losses
 
 
-# The layers marked by hand, and found by gl.record_layers in the plain model.
-LOSSES = {"marked": _marked, "found": lambda w: gl.record_layers(_found)(w, X, Y)}
+# The layers marked by hand (placed by `where=`, or by record_layers), and found by
+# gl.record_layers in the plain model.
+def _marked_batch(w, x, y):
+  losses = 0.5 * jnp.sum((gl.dense(x, w, name="fc") - y) ** 2, -1)
+  return jnp.mean(losses), losses
+
+
+LOSSES = {"marked": _marked,
+          "marked_recorded": lambda w: gl.record_layers(_marked_batch)(w, X, Y),
+          "found": lambda w: gl.record_layers(_found)(w, X, Y)}
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["jit", "eager"])
@@ -237,7 +245,9 @@ def test_every_instrument_matches_its_definition_in_a_jitted_loop(recorded, comp
   # Eager too: the curvature's `lax.cond` once staged the search for a hand-marked
   # layer's weight among the parameters (TracerBoolConversionError).
   w0 = jnp.array([[1.0, -0.5], [0.5, 1.0]])
-  instruments = gl.training_instruments(ALL, curvature_every=1, num_products=80)
+  where = "fc.w" if recorded is _marked and not compiled else None
+  instruments = gl.training_instruments(ALL, curvature_every=1, num_products=80,
+                                        where=where)
   state = instruments.init(w0)
 
   def step(state, w):
@@ -490,8 +500,15 @@ def test_presets_and_bad_arguments():
     return instruments.update(instruments.init(w), records, loss=value, grads=grads,
                               params=w, updates=-grads, losses=losses)
 
-  with pytest.raises(ValueError, match=r"records \['fc'\] have a weight .* Pass where="):
+  with pytest.raises(ValueError, match=r"records \['fc'\] have a weight .* Record the "
+                     r"loss with gl.record_layers .* pass where="):
     step(w)
+  eager = gl.training_instruments(("alpha",))  # Outside jit: no leaf is handed through.
+  ((value, losses), grads), records = gl.call_and_reap(
+      jax.value_and_grad(transposed, has_aux=True))(w)
+  with pytest.raises(ValueError, match=r"records \['fc'\] have a weight"):
+    eager.update(eager.init(w), records, loss=value, grads=grads, params=w, updates=-grads,
+                 losses=losses)
   assert jnp.isnan(step(w, where="fc.w")[0]["alpha"])  # Step 0: no alpha yet.
   _, records = gl.call_and_reap(jax.grad(lambda w: transposed(w)[0]))(w)
   placed = gl.training_instruments(("alpha",), where="fc.w")

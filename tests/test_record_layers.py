@@ -457,6 +457,21 @@ def vmap_inside_the_loss():
   return per_example, params, (_normal(6, B, 2, 5, 5, scale=1.0), _ids(7, B, 3, vocabulary=6))
 
 
+@model
+def hand_marked_layers_inside():
+  """Layers marked with gl.conv2d, gl.dense, gl.embed and gl.layer_norm, under
+  record_layers: each recorded once, as the uses found in it (by parameter path)."""
+  def per_example(p, images, ids):
+    y = gl.conv2d(images, p["conv"], p["conv_b"], name="conv", padding="SAME")
+    h = gl.dense(jnp.mean(jnp.tanh(y), axis=(1, 2)), p["w"], p["b"], name="fc")
+    tokens = gl.embed(ids, p["table"], name="embed") + h[:, None]
+    return _sq(gl.layer_norm(tokens, p["scale"], p["offset"], name="norm"))
+  params = {"conv": _normal(1, 3, 3, 2, 3), "conv_b": _normal(2, 3), "w": _normal(3, 3, 4),
+            "b": _normal(4, 4), "table": _normal(5, 6, 4), "scale": 1 + _normal(6, 4),
+            "offset": _normal(7, 4)}
+  return per_example, params, (_normal(8, B, 5, 5, 2, scale=1.0), _ids(9, B, 3, vocabulary=6))
+
+
 def _case(name, reduction="mean"):
   per_example, params, batch = MODELS[name]()
   return _batch_loss(per_example, reduction), params, batch
@@ -539,6 +554,28 @@ def test_parameter_cast_from_bfloat16():
 
 # ----------------------------------------------------------------------------------
 # Transformations around the recorded function.
+
+
+def test_hand_marked_layers_are_recorded_once_by_parameter_path():
+  """Inside record_layers a hand-marked layer is its found uses (no second record by
+  its name); a record of another tag is left as it is."""
+  loss, params, batch = _case("hand_marked_layers_inside")
+  records = jax.jit(gl.reap(jax.grad(gl.record_layers(loss))))(params, *batch)
+  assert {name: r.primals[0].kind for name, r in records.items()} == {
+      "conv": "conv", "conv_b": "elementwise", "w": "dense", "b": "elementwise",
+      "table": "embed", "scale": "elementwise", "offset": "elementwise"}
+  grads = per_example_grads(loss, params, *batch)
+  expected, _ = norms_of(grads)
+  got = gl.per_example_norms(records)
+  assert sorted(got.layers) == sorted(expected)
+  for key, norms in expected.items():
+    assert_norms_close(got.layers[key], norms, what=key)
+
+  def other_tag(p, images, ids):
+    return loss(p, images, ids) + jnp.mean(gl.dense(images[:, 0, 0], p["conv"][0, 0],
+                                                    name="side", tag="mine"))
+  mine = gl.reap(jax.grad(gl.record_layers(other_tag)), tag="mine")(params, *batch)
+  assert list(mine) == ["side"] and mine["side"].primals[0].kind == "dense"
 
 
 def test_eager_without_jit():
@@ -786,7 +823,8 @@ def test_layer_coverage_lists_covered_uncovered_and_unused_parameters():
   assert coverage.params["unused"].covered and coverage.params["unused"].uses == ()
   table = str(coverage)
   lines = table.splitlines()
-  assert lines[0].split() == ["parameter", "shape", "uses", "method", "MACs", "MiB", "note"]
+  assert lines[0].split() == ["parameter", "shape", "uses", "method", "MACs", "MiB",
+                              "influence", "note"]
   assert [line.split()[0] for line in lines[1:6]] == list(coverage.params)
   assert "1 not covered" in lines[-1]
 

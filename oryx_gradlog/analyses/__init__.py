@@ -5,7 +5,9 @@
 * `curvature`: K-FAC factors, second moments of per-example gradients, Hessian
   products;
 * `instruments`: Cockpit's training instruments and the gradient noise scale;
-* `debugging`: where a non-finite value entered the backward pass.
+* `debugging`: where a non-finite value entered the backward pass;
+* `attribution`: influence functions (which training examples did this) and the
+  linear datamodeling score.
 
 Each starts with `_common.select`, which reads the records as one `Selection` of
 layer uses (`oryx_gradlog.record._selection`), hand-marked and found alike, and loops

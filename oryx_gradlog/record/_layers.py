@@ -24,6 +24,9 @@ because the weight is shared by the vmap and keeps its own shape.
 
 The analyses read these records as `MarkedUse`s (`_marked.py`), through the interface
 of the uses `gl.record_layers` finds in any model's jaxpr (`_found.py`), in one loop.
+Inside a loss wrapped in `gl.record_layers`, a marked layer is recorded once, as the
+uses found in it, by parameter path (so `ClippedGrads.params` and the instruments
+need no `where=`).
 
 Marking Flax and Equinox layers:
 

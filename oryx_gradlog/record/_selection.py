@@ -11,9 +11,11 @@ Sharp edges:
   * A use that reads several parameters is in each of their groups; `uses` has it
     once, so per-use work (`weighted`, `products`) is done once.
   * `splitter` places a parameter-shaped tree by key: found keys through the
-    recorded parameter tree, hand-marked ones through `where=` or, without it, by
-    finding the record's weight among the leaves (the same array or tracer; outside
-    a trace, the one leaf with equal values).
+    recorded parameter tree, hand-marked ones through `where=` or, without it, as
+    the leaf that is the record's weight itself (the same tracer, in a `jit`-ted
+    step). Values are never compared: outside `jit`, hand-marked records need
+    `where=`, or the loss recorded with `gl.record_layers`, which records them by
+    parameter path.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from oryx_gradlog.record._canonical import LayerParams
 from oryx_gradlog.record._found import FoundUse
@@ -187,26 +188,19 @@ def _marked_sources(api, uses: list[MarkedUse], params, where):
   if missing:
     raise ValueError(
         f"{api}: the layer records {missing} have a weight or bias that is not a leaf of "
-        "`params` (alpha's per-example slopes and tic_diag need each layer's slice of a "
-        "parameter-shaped tree). Pass where= to training_instruments, a tree like the "
-        "parameters with 'NAME.w' / 'NAME.b' (or None) at each leaf, or leave those "
-        "layers out with names=.")
+        "`params` that this step hands through (alpha's per-example slopes and tic_diag "
+        "need each layer's slice of a parameter-shaped tree, and a hand-marked record "
+        "knows no parameter path). Record the loss with gl.record_layers (hand-marked "
+        "layers are then recorded by parameter path), or pass where= to "
+        "training_instruments, a tree like the parameters with 'NAME.w' / 'NAME.b' (or "
+        "None) at each leaf, or leave those layers out with names=.")
   return sources
 
 
 def _find(value, leaves, index):
-  """The index of `value` among `leaves`: the same array or tracer, or, for concrete
-  arrays (an eager step), the one leaf with the same shape and values, compared on
-  the host so that no comparison is staged into a trace (a `lax.cond` branch)."""
-  if value is None or id(value) in index:
-    return None if value is None else index[id(value)]
-  if isinstance(value, jax.core.Tracer):
-    return None
-  value = np.asarray(value)
-  same = [i for i, leaf in enumerate(leaves)
-          if not isinstance(leaf, jax.core.Tracer) and np.shape(leaf) == value.shape
-          and np.array_equal(np.asarray(leaf), value)]
-  return same[0] if len(same) == 1 else None
+  """The index of `value` among `leaves` if it is the same array or tracer (a
+  `jit`-ted step hands the recorded weight through); values are never compared."""
+  return None if value is None else index.get(id(value))
 
 
 def collect(api: str, records: dict[str, Any], names: Sequence[str] | None,

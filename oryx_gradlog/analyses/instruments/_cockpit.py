@@ -67,10 +67,12 @@ Sharp edges:
     gradient after it): NaN at the first step. Cockpit logs the same value under
     the step the update started from.
   * The weighted `alpha` needs `losses` (per-example losses, Cockpit's
-    `individual_losses`) and each marked layer's slice of the update: the layer's
-    weight (and bias) must be a leaf of `params` itself, found by identity at trace
-    time (eagerly: by shape and value), or be named in `where` (as for
-    `to_param_tree`); the same holds for `tic_diag`. Parameters outside the marked
+    `individual_losses`) and each marked layer's slice of the update: records of
+    `gl.record_layers` (hand-marked layers in it too) are placed by parameter path;
+    a hand-marked record of a plain `reap` must have a weight (and bias) that is a
+    leaf of `params` itself, found by identity in a jitted step (values are never
+    compared), or be named in `where` (as for `to_param_tree`); the same holds for
+    `tic_diag`. Parameters outside the marked
     layers add to the mean slope but not to its variance.
   * `grad_norm`, `update_size`, `distance` and the alpha means use every parameter
     (`grads`, `updates`, `params`); the tests, GSNR, early stopping, CABS, TIC and
@@ -288,9 +290,11 @@ def training_instruments(
       Hessian diagonal (Cockpit's), one product per parameter, instead of
       `num_products` products' estimate: for small models.
     names, tied: the layer records to use, as for `per_example_norms`.
-    where: for `alpha` and `tic_diag` where the layers' weights are not leaves of
-      `params` passed as they are: a tree like `params` with `'NAME.w'`,
-      `'NAME.b'` or `None` at each leaf, as for `to_param_tree`.
+    where: for `alpha` and `tic_diag` with hand-marked records of a plain `reap`
+      (which know no parameter path) outside `jit`, or whose weights are not leaves
+      of `params` passed as they are: a tree like `params` with `'NAME.w'`,
+      `'NAME.b'` or `None` at each leaf, as for `to_param_tree`. Not needed for
+      records of `gl.record_layers` (hand-marked layers in it too).
     alpha_fit: `"weighted"` (Cockpit's) or `"unweighted"` (our earlier alpha, from
       the batch means alone; no `losses` needed, NaN without curvature).
 
@@ -308,8 +312,9 @@ def training_instruments(
 
   Example:
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
-    >>> def loss(w, x):
-    ...   losses = jnp.sum(gl.dense(x, w, name="fc") ** 2, axis=-1)
+    >>> @gl.record_layers  # records every layer by parameter path
+    ... def loss(w, x):
+    ...   losses = jnp.sum((x @ w) ** 2, axis=-1)
     ...   return jnp.mean(losses), losses
     >>> w, x = jnp.ones((1, 1)), jnp.array([[1.0], [3.0]])
     >>> instruments = gl.training_instruments(("loss", "alpha", "grad_norm"))

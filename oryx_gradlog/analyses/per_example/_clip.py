@@ -23,8 +23,10 @@ operation's vjp at `c g`, mapped back to the parameters through the views and
 functions of parameters that made its operand, summed over the uses of each
 parameter. `clipped_grad(loss, l2_norm_clip=...)` does all of it for any model and
 is used like `jax.grad`; `ClippedGrads.params` is the clipped gradient shaped like
-the parameters. For hand-marked layers, `to_param_tree` places the per-layer
-results into the structure of the parameters.
+the parameters. Hand-marked layers in a loss wrapped in `gl.record_layers` are
+recorded as the uses found in them, by parameter path, so `.params` works for them
+too; for their name-keyed records (a plain `reap`), `to_param_tree` places the
+per-layer results into the structure of the parameters.
 
 Sharp edges:
   * The privacy guarantee covers only the parameters whose gradients come out of
@@ -101,8 +103,9 @@ class ClippedGrads:
     if self.param_tree is None:
       raise ValueError(
           "ClippedGrads.params: these records were not found by gl.record_layers, so "
-          "the parameters' structure is unknown. Use gl.to_param_tree(clipped.layers, "
-          "params, where) for hand-marked layers.")
+          "the parameters' structure is unknown. Reap the loss wrapped in "
+          "gl.record_layers (hand-marked layers are then recorded by parameter path), "
+          "or place them with gl.to_param_tree(clipped.layers, params, where).")
     return self.param_tree.unflatten(
         {path: layer.w for path, layer in self.layers.items()})
 

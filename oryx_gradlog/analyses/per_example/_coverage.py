@@ -11,6 +11,8 @@ leaf says how its per-example gradient will be formed:
   cotangents) or `"materialized"` (the per-example gradients are formed), chosen by
   the same cost model as `per_example_norms(method="auto")`;
 * the estimated multiply-adds and floats held for its per-example norms;
+* the curvature block `gl.fit_influence` gives it (Kronecker, with its layer's
+  bias, or diagonal);
 * or why it is not covered: a use that couples examples (batch norm, a loss term
   over the batch), or no use at all (the parameter never meets the batch).
 
@@ -30,10 +32,12 @@ from typing import Any
 import jax
 
 from oryx_gradlog.analyses import _common
+from oryx_gradlog.analyses.attribution._influence import block_layout
 from oryx_gradlog.record import record_layers as _record_layers
 from oryx_gradlog.record._found import FoundUse
 from oryx_gradlog.record._kinds import UNSUPPORTED
 from oryx_gradlog.record._reap import reap
+from oryx_gradlog.record._selection import Selection
 
 _TAG = "gradlog_layer_coverage"
 
@@ -69,6 +73,9 @@ class ParamCoverage:
     floats: estimated floats held for them.
     covered: whether the per-example analyses can read it.
     note: why not, or what to know.
+    influence: the block `gl.fit_influence` gives it: `"kronecker"` (a dense or
+      convolution layer's), `"kronecker (bias of PATH)"`, `"diagonal"`, or `""`
+      if not covered.
   """
 
   path: str
@@ -79,6 +86,7 @@ class ParamCoverage:
   floats: int
   covered: bool
   note: str = ""
+  influence: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +112,11 @@ class LayerCoverage:
     return [p for p, c in self.params.items() if not c.uses]
 
   def __str__(self) -> str:
-    rows = [("parameter", "shape", "uses", "method", "MACs", "MiB", "note")]
+    rows = [("parameter", "shape", "uses", "method", "MACs", "MiB", "influence", "note")]
     for c in self.params.values():
       kinds = ", ".join(dict.fromkeys(u.kind for u in c.uses)) or "-"
       rows.append((c.path, str(c.shape), kinds, c.method or "-", _si(c.macs),
-                   f"{4 * c.floats / 2**20:.2f}", c.note))
+                   f"{4 * c.floats / 2**20:.2f}", c.influence or "-", c.note))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1]
              for r in rows]
@@ -180,7 +188,7 @@ def layer_coverage(
         uses.setdefault(path, []).append(use)
     for path, group in uses.items():
       row = rows.setdefault(path, {"uses": [], "method": "", "macs": 0, "floats": 0,
-                                   "note": ""})
+                                   "note": "", "influence": ""})
       row["uses"] = [UseCoverage(u.name, u.spec.kind, u.spec.where, u.spec.reason)
                      for u in group]
       bad = [u for u in group if u.spec.kind == UNSUPPORTED]
@@ -198,6 +206,15 @@ def layer_coverage(
         row["note"] = ("several uses (tied): per-example gradients formed and summed"
                        if len(group) > 1 else
                        "a function of parameters: per-example gradients formed")
+    covered = {path: tuple(group) for path, group in uses.items()
+               if not any(u.spec.kind == UNSUPPORTED for u in group)}
+    kronecker, diagonal = block_layout(Selection(covered))
+    for path, (_, bias) in kronecker.items():
+      rows[path]["influence"] = "kronecker"
+      if bias is not None:
+        rows[bias]["influence"] = f"kronecker (bias of {path})"
+    for path in diagonal:
+      rows[path]["influence"] = "diagonal"
     return 0
 
   jax.eval_shape(measure, *args, **kwargs)
@@ -215,6 +232,6 @@ def layer_coverage(
     covered = not any(u.kind == UNSUPPORTED for u in row["uses"])
     params[path] = ParamCoverage(path, tuple(shape), tuple(row["uses"]), row["method"],
                                  int(row["macs"]), int(row["floats"]), covered,
-                                 row["note"])
+                                 row["note"], row["influence"])
   return LayerCoverage(params, signature.batch_size)
 

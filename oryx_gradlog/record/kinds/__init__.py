@@ -19,7 +19,9 @@ Adding a kind (say, a `dynamic_slice` of a table at batched starts):
 1. Write `kinds/mykind.py` with a `Kind` subclass: `name` (add it to `_kinds.py`),
    `primitives` (the `jax.lax` primitive objects, or those of `_internals.py`),
    `recognise(eqn, ins, w)` and `per_example(use)`; `view`, `sum_of_squares`,
-   `data_arg` and `cost` where the kind has a cheaper form than the generic one.
+   `data_arg` and `cost` where the kind has a cheaper form than the generic one,
+   `feature_axes` where a bias may be added to its output (`gl.fit_influence` puts
+   that bias in the layer's Kronecker block).
 2. Register it: `KIND = register(MyKind())` at the end of the module, and import the
    module below.
 
@@ -85,6 +87,12 @@ class Kind:
       return lax.map(one, jnp.arange(batch), batch_size=min(batch, 8))
 
     return use.per_call(masked)
+
+  def feature_axes(self, eqn, w: int) -> tuple[int, ...] | None:
+    """The output's feature axes (those a bias added to the output varies along),
+    for kinds whose output has them; `None` otherwise."""
+    del eqn, w
+    return None
 
   def view(self, use) -> LayerView | None:
     """The canonical view, or `None` where the kind has none."""

@@ -30,6 +30,10 @@ class Conv(Kind):
   def data_arg(self, use) -> int:
     return 0
 
+  def feature_axes(self, eqn, w: int) -> tuple[int, ...]:
+    """The output's channel axis."""
+    return (eqn.params["dimension_numbers"].out_spec[1],)
+
   def per_example(self, use) -> tuple:
     """The vjp of each example's own slice of the batch."""
 

@@ -34,6 +34,16 @@ class Dense(Kind):
   def data_arg(self, use) -> int:
     return 1 - use.w_arg
 
+  def feature_axes(self, eqn, w: int) -> tuple[int, ...]:
+    """The output axes of the weight's free axes: a dot_general's output has its
+    batch dimensions, then the left operand's free axes, then the right one's."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    free = lambda i, c, b: [a for a in range(eqn.invars[i].aval.ndim) if a not in c + b]
+    n_left = len(free(0, lc, lb))
+    n_w = len(free(w, rc if w else lc, rb if w else lb))
+    start = len(lb) + (n_left if w == 1 else 0)
+    return tuple(range(start, start + n_w))
+
   def per_example(self, use) -> tuple:
     """`(*calls, B, *w)`: `x_i^T g_i` per example, in the parameter operand's layout."""
     x, g, _ = canonical(use)

@@ -53,6 +53,11 @@ Sharp edges:
   * `custom_jvp`/`custom_vjp` functions, `while_loop`s and other primitives with
     bodies are not looked into: a parameter entering one with a batched output is a
     generic use of the whole call.
+  * A layer marked by hand (`gl.dense`, `gl.conv2d`, `gl.embed`, `gl.layer_norm`,
+    `gl.dense_dot_general`) with the same tag is recorded once, as the uses found
+    in it, keyed by parameter path (not a second time by its name), as kfac-jax's
+    `register_dense` and its graph matcher give one tag. Its declared kind is not
+    needed: the walk finds the same operations.
   * The jaxpr is re-emitted with inner `jit`s inlined where they hold uses (as any
     outer transformation does; their shardings are not kept).
 

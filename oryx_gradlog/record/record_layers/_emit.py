@@ -44,8 +44,10 @@ class _Emitter:
       invals = [read(v) for v in eqn.invars]
       if path in self.specs:
         outs = self.use(self.specs[path], invals)
+      elif path in self.analysis.marked and eqn.params["tag"] == self.tag:
+        outs = invals  # A hand-marked layer's site: its uses are recorded instead.
       elif path in self.analysis.inline:
-        outs = _EMIT[eqn.primitive.name](self, eqn, invals, path)
+        outs = _EMIT[eqn.primitive](self, eqn, invals, path)
       else:
         outs = _internals.bind_eqn(eqn.primitive, eqn.params, invals, eqn.ctx)
       for var, value in zip(eqn.outvars, outs):
@@ -95,8 +97,10 @@ def _emit_scan(emitter, eqn, invals, path):
 
 
 _EMIT = {
-    "pjit": _emit_jit, "jit": _emit_jit, "closed_call": _emit_jit, "core_call": _emit_jit,
-    "remat2": _emit_remat, "checkpoint": _emit_remat,
-    "cond": _emit_cond,
-    "scan": _emit_scan,
+    _internals.jit_p: _emit_jit,
+    _internals.closed_call_p: _emit_jit,
+    _internals.call_p: _emit_jit,
+    _internals.remat_p: _emit_remat,
+    _internals.cond_p: _emit_cond,
+    _internals.scan_p: _emit_scan,
 }

@@ -191,6 +191,9 @@ class UseSpec:
     reason: why an `unsupported` use is not supported.
     where: the equation, as the user may recognise it (primitive and source line).
     tree: the `ParamTree` of the recorded function's parameters.
+    shifts: for a bias (an element-wise add of a parameter with as many entries as
+      the output features of a dense or convolution use, to that use's output), the
+      position of that use; `None` otherwise.
   """
 
   name: str
@@ -209,6 +212,7 @@ class UseSpec:
   reason: str = ""
   where: str = ""
   tree: ParamTree | None = None
+  shifts: tuple | None = None
 
   @property
   def paths(self) -> tuple[str, ...]:

@@ -142,7 +142,7 @@ def _name_uses(analysis: _Analysis, tree: ParamTree) -> dict[tuple, UseSpec]:
         batch=use.batch, out_batch=use.out_batch,
         calls=tuple(length for _, length in use.calls), avals=avals,
         scopes=tuple(scope for scope, _ in use.calls), position=path,
-        reason=use.reason, where=_where(eqn), tree=tree)
+        reason=use.reason, where=_where(eqn), tree=tree, shifts=use.shifts)
   return specs
 
 

@@ -1,9 +1,13 @@
 """The classifying walk: one interpreter over the jaxprs at batch B and 2B in lockstep.
 
 Each value is classified (parameter, data, constant; its batch axis; its lineage
-back to a parameter leaf) by one rule per kind of equation, kept in `_RULES`; an
+back to a parameter leaf; the use whose output it is) by one rule per kind of
+equation, kept in `_RULES` keyed by the JAX primitive objects (`_internals`); an
 equation where parameters meet the batch is a use, whose kind the table of kinds
-(`kinds/`) decides. Equations with bodies the walk enters (`jit`, `scan`, `cond`,
+(`kinds/`) decides. An element-wise add of a parameter to a dense or convolution
+use's output, varying along its features only, is that layer's bias (`shifts`).
+The record sites of a hand-marked layer (`gl.dense`, ...) are noted so that the
+emitter records the layer once, as its uses. Equations with bodies the walk enters (`jit`, `scan`, `cond`,
 `remat`) have rules of their own; every other equation, with bodies or without, is
 one operation (`_first_order`): a parameter entering a `custom_vjp` or a
 `while_loop` with a batched output is a generic use of the whole call.
@@ -22,8 +26,9 @@ from typing import Any
 
 import jax
 
-from oryx_gradlog.record import _internals, kinds
-from oryx_gradlog.record._kinds import GENERIC, UNSUPPORTED
+from oryx_gradlog.record import _internals, _sites, kinds
+from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, GENERIC, UNSUPPORTED
+from oryx_gradlog.record._layers import LayerInputs
 from oryx_gradlog.record.record_layers._spec import (
     _LINEAR, Chain, Lineage, Step, _paths)
 
@@ -53,6 +58,7 @@ class Info:
   batch: Any = None
   lineage: Any = None
   coupled: bool = False
+  producer: tuple | None = None  # The path of the use whose output it is.
 
   @property
   def is_param(self) -> bool:
@@ -103,6 +109,7 @@ class _Use:
   calls: tuple
   reason: str = ""
   leaves: frozenset = frozenset()  # The parameter leaves its parameter operands read.
+  shifts: tuple | None = None  # A bias's: the path of the use whose output it shifts.
 
   def paths(self) -> tuple[str, ...]:
     return _paths((*self.lineages, self.chain))
@@ -129,6 +136,8 @@ class _Analysis:
     self.uses: dict[tuple, _Use] = {}
     self.inline: set[tuple] = set()  # Equations with uses or chains inside.
     self.coupling = ""  # Where examples are first mixed, if anywhere.
+    self.marked: set[tuple] = set()  # The sites of hand-marked layers.
+    self.marked_names: set[tuple] = set()  # Their (name, tag)s.
 
   def run(self, jaxpr1, jaxpr2, in_infos, invocation=(), calls=()):
     """Returns the infos of `jaxpr1`'s outputs, given those of its inputs."""
@@ -142,7 +151,7 @@ class _Analysis:
       ins = [read(v) for v in e1.invars]
       batches = [_batch_axis(v1.aval, v2.aval, self.batch_size)
                  for v1, v2 in zip(e1.outvars, e2.outvars)]
-      rule = _RULES.get(e1.primitive.name, _first_order)
+      rule = _RULES.get(e1.primitive, _first_order)
       outs = rule(self, e1, e2, ins, batches, invocation, invocation + (k,), calls)
       env.update(zip(e1.outvars, outs))
     return [read(v) for v in jaxpr1.outvars]
@@ -192,7 +201,11 @@ def _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
   if coupling and not analysis.coupling:
     analysis.coupling = _where(eqn)
   if param_args and batched:  # Parameters meet the batch: a use.
-    analysis.add_use(path, _classify(eqn, ins, batches, param_args, calls, coupled))
+    use = _classify(eqn, ins, batches, param_args, calls, coupled)
+    use.shifts = _shifted(analysis, eqn, ins, use)
+    analysis.add_use(path, use)
+    if len(batches) == 1:
+      return [dataclasses.replace(_join(ins, batches[0]), coupled=coupled, producer=path)]
   elif param_args and not data:  # A function of parameters alone.
     if (len(ins) == 1 and len(eqn.outvars) == 1 and eqn.primitive.name in _LINEAR
         and isinstance(ins[0].lineage, Lineage)):
@@ -213,6 +226,31 @@ def _first_order(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
         leaves=frozenset().union(*(ins[i].params for i in param_args))))
   return [_join(ins, b) if b is None else dataclasses.replace(_join(ins, b), coupled=coupled)
           for b in batches]
+
+
+def _shifted(analysis, eqn, ins, use: _Use) -> tuple | None:
+  """For a bias (`y + b`: an element-wise add to the output of a dense or convolution
+  use of a parameter broadcast along all but the output's feature axes), the path
+  of that use."""
+  if (use.kind != ELEMENTWISE or eqn.primitive not in (jax.lax.add_p, _internals.add_any_p)
+      or len(ins) != 2 or len(use.param_args) != 1 or use.lineages[0] is None):
+    return None
+  data = ins[1 - use.param_args[0]]
+  producer = analysis.uses.get(data.producer) if data.producer is not None else None
+  if producer is None or producer.kind not in (DENSE, CONV):
+    return None
+  features = kinds.of(producer.kind).feature_axes(producer.eqn, producer.param_args[0])
+  out_shape = eqn.outvars[0].aval.shape
+  steps = use.lineages[0].steps
+  if steps and steps[-1].primitive is jax.lax.broadcast_in_dim_p:  # Broadcast, then added.
+    dims, shape = dict(steps[-1].params)["broadcast_dimensions"], steps[-1].in_shape
+  else:  # Added with size-1 axes (or as a scalar), which `add` broadcasts itself.
+    shape = eqn.invars[use.param_args[0]].aval.shape
+    dims = range(len(shape)) if len(shape) == len(out_shape) else ()
+  if features is None or (shape and not dims):
+    return None
+  varies = {d for d, n in zip(dims, shape) if n > 1}
+  return data.producer if varies == {a for a in features if out_shape[a] > 1} else None
 
 
 def _classify(eqn, ins, batches, param_args, calls, coupled) -> _Use:
@@ -347,19 +385,41 @@ def _identity(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
   return _with_batches(ins[n:], batches)
 
 
-_RULES: dict[str, Callable] = {
-    "gradlog_site": _identity,
-    "gradlog_after": _identity,
-    "gradlog_batch_first": _identity,
-    "gradlog_cotangent": _identity,
-    "sow": _identity,
-    "reshape": _reshape,
-    "pjit": _jit,
-    "jit": _jit,
-    "closed_call": _jit,
-    "core_call": _jit,
-    "remat2": _remat,
-    "checkpoint": _remat,
-    "cond": _cond,
-    "scan": _scan,
+def _site(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
+  """A record site: an identity. The two sites of a hand-marked layer (`gl.dense`,
+  ...: its inputs, a `LayerInputs`, and its output) are noted, so that the emitter
+  records the layer once, as the uses found in it, not a second time by name."""
+  params = eqn.params
+  key = (params["name"], params["tag"])
+  if params["component"] == _sites.INPUTS and _holds_layer(params["treedef"]):
+    analysis.marked_names.add(key)
+    analysis.marked.add(path)
+  elif params["component"] == _sites.OUTPUT and key in analysis.marked_names:
+    analysis.marked.add(path)
+  if path in analysis.marked:
+    analysis.mark(path)
+  return _identity(analysis, eqn, eqn2, ins, batches, invocation, path, calls)
+
+
+def _holds_layer(treedef) -> bool:
+  tree = treedef.unflatten([None] * treedef.num_leaves)
+  return any(isinstance(leaf, LayerInputs) for leaf in jax.tree.leaves(
+      tree, is_leaf=lambda v: v is None or isinstance(v, LayerInputs)))
+
+
+# The rules of the equations the walk treats otherwise than as one operation
+# (`_first_order`, the rule of every other primitive), keyed by primitive.
+_RULES: dict[Any, Callable] = {
+    _sites.site_p: _site,
+    _sites.after_p: _identity,
+    _sites.batch_first_p: _identity,
+    _sites.cotangent_p: _identity,
+    _internals.sow_p: _identity,
+    jax.lax.reshape_p: _reshape,
+    _internals.jit_p: _jit,
+    _internals.closed_call_p: _jit,
+    _internals.call_p: _jit,
+    _internals.remat_p: _remat,
+    _internals.cond_p: _cond,
+    _internals.scan_p: _scan,
 }

@@ -1,0 +1,572 @@
+"""Influence functions from the records: which training examples did this.
+
+`fit_influence` fits a damped curvature `H` of the training loss from the layer
+records of `gl.record_layers` (any model, unchanged); `Influence.scores` gives,
+for query examples q and training examples t,
+
+    score(q, t) = g_q^T (H + damping)^-1 g_t,
+
+summed over layer blocks, with `g` the gradient of each example's own loss (not
+divided by the batch size). Positive: training on t lowers q's loss (a helpful
+example); negative: harmful. The numbers follow Kronfluence's (Grosse et al. 2023)
+conventions, so that they can be compared one to one:
+
+* A dense or convolution use whose parameter has no other use is a Kronecker
+  block. `A` is the mean of `a a^T` over examples x positions (a convolution's
+  unfolded patches at its output locations), with a 1 appended to `a` where a bias
+  is added to the layer's output (the bias is in its layer's block: the last row
+  of the block's gradient); `S` the same mean of `g g^T`. Their eigenbases
+  `Q_A`, `Q_S` are computed in float64 on the host.
+* `strategy="kfac"`: the block's eigenvalues are `eig(A) (x) eig(S)`;
+  `"ekfac"` (eigenvalue-corrected K-FAC, Kronfluence's default): the mean over
+  examples of `(Q_A^T G_i Q_S)^2`, `G_i = sum_t a_it g_it^T` the example's
+  gradient, from a second pass over the data. `"identity"`: `H = 0` and no
+  damping, the plain inner products of gradients.
+* Every other parameter (embeddings, element-wise scales and shifts that are not
+  a layer's bias, generic uses, a parameter with several uses) is a diagonal
+  block: the mean of the per-example squared gradients (the empirical Fisher's
+  diagonal) for both `"kfac"` and `"ekfac"`.
+* `damping=None` is 0.1 times the mean of each block's eigenvalues (per layer of a
+  scan-stacked block), as Kronfluence's `damping_factor=None`; a number is added
+  to every eigenvalue as it is.
+
+The gradients are those of the loss on the true labels (the empirical Fisher):
+pass a loss on labels sampled from the model to fit the true Fisher.
+
+Sharp edges:
+  * `loss(params, *batch)` must be the mean over the batch of per-example losses
+    (checked on the first batch), and every batch of one call must have the same
+    size (each size compiles its own step).
+  * `batches` is read twice by `"ekfac"` (once by the others): pass a list or
+    another re-iterable, not a generator.
+  * Memory: `scores` holds the preconditioned gradients of all queries
+    (`n_query x n_params` floats, in the blocks' rotated bases) and one training
+    batch's (`batch x n_params`), plus the `(n_query, n_train)` result; diagonal
+    blocks form each batch's per-example gradients of their parameters.
+  * The eigenvalues are fitted at the parameters given to `fit_influence`, which
+    `Influence` keeps; scores are gradients at those parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oryx_gradlog.analyses import _common
+from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE
+from oryx_gradlog.record._kinds import NORM_KINDS
+from oryx_gradlog.record._selection import Selection, collect
+
+STRATEGIES = ("identity", "kfac", "ekfac")
+_TAG = "gradlog_influence"
+_DAMPING_FACTOR = 0.1  # Kronfluence's `damping_factor=None`: 0.1 x the mean eigenvalue.
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q_a", "q_s", "eigenvalues", "damping"], meta_fields=["keys"])
+@dataclasses.dataclass(frozen=True)
+class KroneckerBlock:
+  """The curvature of one dense or convolution layer, in its eigenbasis.
+
+  Attributes:
+    q_a: `(S, d_in(+1), d_in(+1))` the eigenvectors of `A` (a row and column for
+      the bias's 1 last), one per layer `S` of a scan-stacked or grouped use.
+    q_s: `(S, d_out, d_out)` the eigenvectors of `S`.
+    eigenvalues: `(S, d_in(+1), d_out)` the block's eigenvalues (K-FAC's products
+      or EK-FAC's corrected ones); zeros for `"identity"`.
+    damping: `(S,)` added to the eigenvalues.
+    keys: the parameter paths in the block (the weight's, and the bias's).
+  """
+
+  q_a: jax.Array
+  q_s: jax.Array
+  eigenvalues: jax.Array
+  damping: jax.Array
+  keys: tuple[str, ...]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["eigenvalues", "damping"], meta_fields=["keys"])
+@dataclasses.dataclass(frozen=True)
+class DiagonalBlock:
+  """The curvature of one parameter as a diagonal: its mean squared per-example
+  gradient (flattened), and the damping added to it.
+
+  Attributes:
+    eigenvalues: `(size,)` the diagonal; zeros for `"identity"`.
+    damping: `()` added to it.
+    keys: the parameter's path, alone.
+  """
+
+  eigenvalues: jax.Array
+  damping: jax.Array
+  keys: tuple[str, ...]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["strategy"])
+@dataclasses.dataclass(frozen=True)
+class InfluenceFactors:
+  """The fitted curvature, a frozen pytree of arrays (save and load it as any).
+
+  Attributes:
+    blocks: per block name (its weight's parameter path), a `KroneckerBlock` or a
+      `DiagonalBlock`.
+    strategy: `"identity"`, `"kfac"` or `"ekfac"`.
+  """
+
+  blocks: dict[str, Any]
+  strategy: str
+
+
+def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
+  """`loss(params, *batch)` equals the mean of the losses of one-example batches."""
+  n_args = len(batch) + 1
+  positions = [i for i in range(n_args) if i != argnums] if batch_argnums is None else (
+      [batch_argnums] if isinstance(batch_argnums, int) else list(batch_argnums))
+
+  def call(params, others, examples=None):
+    args, rest = [None] * n_args, iter(others)
+    for i in range(n_args):
+      args[i] = params if i == argnums else next(rest)
+    for i, example in zip(positions, examples or ()):
+      args[i] = jax.tree.map(lambda v: v[None], example)
+    return loss(*args)
+
+  others = tuple(batch)
+  examples = [others[i - (i > argnums)] for i in positions]
+  whole = float(jax.jit(call)(params, others))
+  each = jax.jit(jax.vmap(lambda p, o, e: call(p, o, e), in_axes=(None, None, 0)))(
+      params, others, examples)
+  mean = float(jnp.mean(each))
+  if not np.isclose(whole, mean, rtol=1e-4, atol=1e-6 * max(1.0, abs(mean))):
+    raise ValueError(
+        f"{api}: loss(params, *batch) is {whole:.6g} on the first batch but the mean of "
+        f"its examples' losses is {mean:.6g}. The loss must be the mean over the batch "
+        "of per-example losses (as for gl.clipped_grad): divide a sum by the batch size, "
+        "and keep terms of the parameters alone (weight decay) out of it.")
+
+
+class _Gradients:
+  """The layer records of one function's backward pass, from `gl.record_layers`
+  under a tag of its own (internal)."""
+
+  def __init__(self, api: str, fun: Callable, argnums: int, batch_argnums):
+    from oryx_gradlog.record._reap import call_and_reap  # pylint: disable=g-import-not-at-top
+    from oryx_gradlog.record.record_layers import recorder  # pylint: disable=g-import-not-at-top
+    self.api = api
+    recorded = recorder(fun, argnums=argnums, batch_argnums=batch_argnums, tag=_TAG,
+                        api=api)
+    self.reaped = call_and_reap(jax.grad(recorded, argnums=argnums), tag=_TAG)
+    self.argnums = argnums
+
+  def records(self, params, batch):
+    args = list(batch)
+    args.insert(self.argnums, params)
+    _, records = self.reaped(*args)
+    if not records:
+      raise ValueError(
+          f"{self.api}: no parameter of argnums={self.argnums} meets the batch in the "
+          "loss, so no example has a gradient. Check argnums and batch_argnums.")
+    return records
+
+
+def block_layout(selection: Selection) -> tuple[dict, dict]:
+  """The blocks of one selection: `{key: (LayerView, bias key or None)}` for the
+  Kronecker blocks (a dense or convolution use, the only use of its parameter, of a
+  view of it), `{key: None}` for the diagonal ones (every other parameter)."""
+  by_position = {}
+  for use in selection.uses:
+    spec = getattr(use, "spec", None)
+    if spec is not None:
+      by_position[spec.position] = use
+  kronecker, diagonal, taken = {}, {}, set()
+  single = lambda key: len(selection.groups.get(key, ())) == 1
+  biases = {}
+  for use in selection.uses:
+    spec = getattr(use, "spec", None)
+    if (spec is not None and use.kind == ELEMENTWISE and spec.shifts in by_position
+        and single(use.keys[0]) and len(use.keys) == 1):
+      biases[spec.shifts] = use.keys[0]
+  for use in selection.uses:
+    if use.kind not in (DENSE, CONV) or len(use.keys) != 1 or not single(use.keys[0]):
+      continue
+    view = use.view()  # None for an operand that is not a view of its leaf (LoRA's).
+    if view is None:
+      continue
+    spec = getattr(use, "spec", None)
+    bias = biases.get(spec.position) if spec is not None else None
+    if bias is not None and selection.groups[bias][0].tied_calls != use.tied_calls:
+      bias = None  # A bias shared by calls whose weights are not (or the other way).
+    kronecker[use.keys[0]] = (view, bias)
+    taken.update(use.keys if bias is None else (*use.keys, bias))
+  for key in selection.groups:
+    if key not in taken:
+      diagonal[key] = None
+  return kronecker, diagonal
+
+
+def _view_arrays(view, bias: str | None, scale: float):
+  """`x` `(S, B, T, i(+1))`, `g` `(S, B, T, o)` of the per-example losses."""
+  x, g = view.x, scale * view.g
+  if bias is not None or view.bias_g is not None:
+    x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
+  return x, g
+
+
+class _Pass:
+  """What one batch gives each block (internal): `arrays` is jitted; the blocks'
+  layout (static) is kept in `layout` when it is traced."""
+
+  def __init__(self, gradients: _Gradients, api: str):
+    self.gradients, self.api = gradients, api
+    self.layout: dict[str, tuple[str, str | None]] = {}
+
+  def arrays(self, params, batch) -> dict[str, Any]:
+    """Per block: Kronecker `(x, g)`, diagonal `(B, n)` per-example gradients, of
+    the per-example losses."""
+    records = self.gradients.records(params, batch)
+    selection = collect(self.api, records, None, NORM_KINDS)
+    scale = float(_common.one_batch_size(self.api, selection.batch_sizes))
+    kronecker, diagonal = block_layout(selection)
+    out, layout = {}, {}
+    for key, (view, bias) in kronecker.items():
+      layout[key] = ("kronecker", bias)
+      out[key] = _view_arrays(view, bias, scale)
+    for key in diagonal:
+      grad = selection.per_example(key)
+      leaves = [v for v in (grad.w, grad.b) if v is not None]
+      layout[key] = ("diagonal", None)
+      out[key] = scale * jnp.concatenate([v.reshape(v.shape[0], -1) for v in leaves], 1)
+    self.layout = layout
+    return out
+
+
+def _rotated(block: KroneckerBlock, x, g):
+  """`(S, B, i, o)`: each example's gradient `sum_t a_t g_t^T` in the eigenbasis."""
+  xr = _common.dot("sbti,sij->sbtj", x, block.q_a.astype(x.dtype))
+  gr = _common.dot("sbto,sop->sbtp", g, block.q_s.astype(g.dtype))
+  return _common.dot("sbti,sbto->sbio", xr, gr)
+
+
+def fit_influence(
+    loss: Callable[..., jax.Array],
+    params: Any,
+    batches: Iterable[Sequence[Any]],
+    *,
+    strategy: str = "ekfac",
+    damping: float | None = None,
+    projection: Any = None,
+    argnums: int = 0,
+    batch_argnums: int | Sequence[int] | None = None,
+) -> Influence:
+  """Fits influence functions of the training examples on `loss` at `params`.
+
+  See the module docstring for the blocks, their conventions and the strategies.
+
+  Args:
+    loss: the batch loss, `loss(params, *batch)`: the mean over the batch of the
+      per-example losses (any model, unchanged).
+    params: the trained parameters.
+    batches: the training data, an iterable of batch tuples (re-iterable for
+      `"ekfac"`, which reads it twice), all of one batch size.
+    strategy: `"identity"`, `"kfac"` or `"ekfac"`.
+    damping: added to every eigenvalue; `None` for 0.1 x each block's mean.
+    projection: not yet supported (`None`).
+    argnums: the positional argument holding the parameters.
+    batch_argnums: the arguments holding the batch (default: all others).
+
+  Returns:
+    An `Influence`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> def loss(w, x, y):
+    ...   return jnp.mean(0.5 * jnp.sum((x @ w - y) ** 2, axis=-1))
+    >>> x = jax.random.normal(jax.random.PRNGKey(0), (8, 3))
+    >>> y = x @ jnp.ones((3, 2))
+    >>> w = jnp.zeros((3, 2))
+    >>> influence = gl.fit_influence(loss, w, [(x[:4], y[:4]), (x[4:], y[4:])])
+    >>> influence.scores([(x[:2], y[:2])], [(x, y)]).shape  # (queries, training)
+    (2, 8)
+  """
+  api = "fit_influence"
+  if strategy not in STRATEGIES:
+    raise ValueError(f"{api}(strategy={strategy!r}): strategy must be one of "
+                     f"{STRATEGIES} (plain gradient products, K-FAC, EK-FAC).")
+  if projection is not None:
+    raise NotImplementedError(
+        f"{api}(projection=...): projected gradients are not supported yet; pass None.")
+  if not isinstance(argnums, int):
+    raise TypeError(f"{api}(argnums={argnums!r}): one positional argument holds the "
+                    "parameters (an int); gather several into one tree.")
+  if damping is not None and not (isinstance(damping, (int, float)) and damping >= 0):
+    raise ValueError(f"{api}(damping={damping!r}): damping is a number >= 0 added to "
+                     "the eigenvalues, or None for 0.1 x each block's mean eigenvalue.")
+  if strategy == "ekfac" and iter(batches) is batches:
+    raise TypeError(f"{api}: `batches` is an iterator, which EK-FAC would exhaust in "
+                    "its first pass; pass a list (or another re-iterable) of batches.")
+  passes = _Pass(_Gradients(api, loss, argnums, batch_argnums), api)
+  arrays = jax.jit(passes.arrays)
+  sizes: list[int] = []
+
+  def each(check_first: bool):
+    for i, batch in enumerate(batches):
+      batch = tuple(batch)
+      size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+      if sizes and i >= len(sizes) and size != sizes[0]:
+        raise ValueError(
+            f"{api}: batch {i} has {size} examples but batch 0 has {sizes[0]}; every "
+            "batch must have the same size (drop or pad the last one).")
+      if i >= len(sizes):
+        sizes.append(size)
+      if check_first and i == 0:
+        _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums)
+      yield arrays(params, batch)
+
+  # Pass 1: the Kronecker factors (sums over examples x positions) and the
+  # diagonal blocks' sums of squares.
+  sums: dict[str, list] = {}
+  kinds: dict[str, tuple] = {}
+  for out in each(check_first=True):
+    for key, value in out.items():
+      kind, bias = kinds[key] = passes.layout[key]
+      if kind == "kronecker":
+        x, g = value
+        a = np.asarray(_common.dot("sbti,sbtj->sij", x, x), np.float64)
+        s = np.asarray(_common.dot("sbto,sbtp->sop", g, g), np.float64)
+        count = x.shape[1] * x.shape[2]
+        parts = [a, s, count]
+      else:
+        parts = [np.asarray(jnp.sum(value * value, axis=0), np.float64), value.shape[0]]
+      sums[key] = parts if key not in sums else [u + v for u, v in zip(sums[key], parts)]
+  if not sums:
+    raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
+
+  blocks: dict[str, Any] = {}
+  for key, parts in sums.items():
+    kind, bias = kinds[key]
+    keys = (key,) if bias is None else (key, bias)
+    if kind == "kronecker":
+      a, s, count = parts
+      if strategy == "identity":  # No curvature: the bases are not used.
+        q_a, q_s = np.broadcast_to(np.eye(a.shape[-1]), a.shape), np.broadcast_to(
+            np.eye(s.shape[-1]), s.shape)
+        eig = np.zeros(a.shape[:2] + s.shape[-1:])
+      else:  # Float64 eigenbases (float32 is not accurate enough for EK-FAC).
+        e_a, q_a = np.linalg.eigh(a / count)
+        e_s, q_s = np.linalg.eigh(s / count)
+        eig = e_a[:, :, None] * e_s[:, None, :]  # As Kronfluence: kron(eig A, eig S).
+      blocks[key] = KroneckerBlock(q_a, q_s, eig, np.zeros(a.shape[0]), keys)
+    else:
+      square, count = parts
+      eig = square / count if strategy != "identity" else np.zeros_like(square)
+      blocks[key] = DiagonalBlock(eig, np.zeros(()), keys)
+
+  if strategy == "ekfac":  # Pass 2: the eigenvalues corrected in the eigenbases.
+    corrected = {key: [0.0, 0] for key, b in blocks.items() if isinstance(b, KroneckerBlock)}
+    rotate = jax.jit(lambda block, x, g: jnp.sum(_rotated(block, x, g) ** 2, axis=1))
+    for out in each(check_first=False):
+      for key in corrected:
+        x, g = out[key]
+        corrected[key][0] = corrected[key][0] + np.asarray(rotate(blocks[key], x, g),
+                                                           np.float64)
+        corrected[key][1] += x.shape[1]
+    for key, (total, count) in corrected.items():
+      blocks[key] = dataclasses.replace(blocks[key], eigenvalues=total / count)
+
+  finished = {}
+  for key, block in blocks.items():
+    eig = np.asarray(block.eigenvalues, np.float64)
+    if strategy == "identity":
+      damp = np.zeros(eig.shape[:1]) if isinstance(block, KroneckerBlock) else np.zeros(())
+    elif damping is None:
+      damp = (_DAMPING_FACTOR * eig.reshape(eig.shape[0], -1).mean(axis=1)
+              if isinstance(block, KroneckerBlock) else _DAMPING_FACTOR * np.mean(eig))
+    else:
+      damp = np.full(eig.shape[:1] if isinstance(block, KroneckerBlock) else (), damping)
+    # On the device in the default float (float64 with x64 on).
+    finished[key] = dataclasses.replace(
+        block, eigenvalues=jnp.asarray(eig), damping=jnp.asarray(damp),
+        **({"q_a": jnp.asarray(block.q_a), "q_s": jnp.asarray(block.q_s)}
+           if isinstance(block, KroneckerBlock) else {}))
+  factors = InfluenceFactors(finished, strategy)
+  return Influence(loss, params, factors, argnums=argnums, batch_argnums=batch_argnums)
+
+
+class Influence:
+  """Influence scores of training examples, from fitted `InfluenceFactors`.
+
+  Make one with `fit_influence`, or from saved factors with
+  `Influence(loss, params, factors)`.
+
+  Attributes:
+    factors: the `InfluenceFactors`.
+    params: the parameters they were fitted at.
+  """
+
+  def __init__(self, loss: Callable, params: Any, factors: InfluenceFactors, *,
+               argnums: int = 0, batch_argnums: int | Sequence[int] | None = None):
+    self.loss, self.params, self.factors = loss, params, factors
+    self.argnums, self.batch_argnums = argnums, batch_argnums
+    self._jitted: dict[Any, Callable] = {}
+
+  def _preconditioned(self, fun: Callable, api: str):
+    """A jitted `(params, batch) -> {block: (H + damping)^-1 g per example}` (in the
+    blocks' rotated bases) for `fun`."""
+    key = ("pre", fun)
+    if key not in self._jitted:
+      gradients = self._rotated_gradients(fun, api)
+
+      def pre(factors, params, batch):
+        out = gradients(factors, params, batch)
+        return {name: _divide(factors, name, value) for name, value in out.items()}
+
+      self._jitted[key] = jax.jit(pre)
+    return self._jitted[key]
+
+  def _rotated_gradients(self, fun: Callable, api: str):
+    passes = _Pass(_Gradients(api, fun, self.argnums, self.batch_argnums), api)
+
+    def gradients(factors, params, batch):
+      out = {}
+      arrays = passes.arrays(params, batch)
+      bad = []
+      for name, value in arrays.items():
+        kind, bias = passes.layout[name]
+        block = factors.blocks.get(name)
+        keys = (name,) if bias is None else (name, bias)
+        if (block is None or (kind == "kronecker") != isinstance(block, KroneckerBlock)
+            or block.keys != keys):
+          bad.append(repr(name))
+        elif _shape(block) != _shape(value):
+          bad.append(f"{name!r} (fitted with {_shape(block)}, here {_shape(value)})")
+        elif kind == "kronecker":
+          out[name] = (_common.dot("sbti,sbto->sbio", *value) if factors.strategy == "identity"
+                       else _rotated(block, *value))
+        else:
+          out[name] = value
+      if bad:
+        raise ValueError(
+            f"{api}: the parameters {', '.join(bad)} are not covered by the fitted factors "
+            f"as they are used here (blocks: {sorted(factors.blocks)}; a parameter used "
+            "once more, or a different model, changes them). Score with the loss, "
+            "parameters and model that fit_influence was given.")
+      return out
+
+    return gradients
+
+  def _scored(self, api: str):
+    key = ("score", api)
+    if key not in self._jitted:
+      gradients = self._rotated_gradients(self.loss, api)
+
+      def score(factors, params, batch, queries):
+        train = gradients(factors, params, batch)
+        total = 0.0
+        for name, q in queries.items():
+          t = train[name]
+          total = total + (_common.dot("sqio,stio->qt", q, t) if q.ndim == 4
+                           else _common.dot("qn,tn->qt", q, t))
+        return total
+
+      self._jitted[key] = jax.jit(score)
+    return self._jitted[key]
+
+  def scores(self, query_batches: Iterable[Sequence[Any]],
+             train_batches: Iterable[Sequence[Any]], *,
+             measurement: Callable | None = None) -> np.ndarray:
+    """Returns `(n_query, n_train)`: `g_q^T (H + damping)^-1 g_t` per pair.
+
+    Args:
+      query_batches: batches of query examples, as `loss` takes them.
+      train_batches: batches of training examples.
+      measurement: what the query gradient is of, with `loss`'s signature and the
+        mean over the batch of a per-example quantity (a margin, a logit), as
+        Kronfluence's `compute_measurement`; default: `loss`.
+
+    Returns:
+      A NumPy array: positive where training on the example lowers the query's
+      loss (its measurement), negative where it raises it.
+    """
+    api = "Influence.scores"
+    pre = self._preconditioned(measurement or self.loss, api)
+    parts = [pre(self.factors, self.params, tuple(b)) for b in query_batches]
+    if not parts:
+      raise ValueError(f"{api}: query_batches is empty; pass at least one batch.")
+    axis = lambda v: 1 if v.ndim == 4 else 0
+    queries = {name: jnp.concatenate([p[name] for p in parts], axis=axis(parts[0][name]))
+               for name in parts[0]}
+    score = self._scored(api)
+    columns = [np.asarray(score(self.factors, self.params, tuple(b), queries))
+               for b in train_batches]
+    if not columns:
+      raise ValueError(f"{api}: train_batches is empty; pass at least one batch.")
+    return np.concatenate(columns, axis=1)
+
+  def self_influence(self, batches: Iterable[Sequence[Any]]) -> np.ndarray:
+    """Returns `(n,)`: `g_t^T (H + damping)^-1 g_t` per example (large for
+    examples the model finds surprising: often mislabelled ones)."""
+    api = "Influence.self_influence"
+    key = ("self", api)
+    if key not in self._jitted:
+      gradients = self._rotated_gradients(self.loss, api)
+
+      def own(factors, params, batch):
+        out = gradients(factors, params, batch)
+        total = 0.0
+        for name, g in out.items():
+          p = _divide(factors, name, g)
+          total = total + (jnp.sum(p * g, axis=(0, 2, 3)) if g.ndim == 4
+                           else jnp.sum(p * g, axis=1))
+        return total
+
+      self._jitted[key] = jax.jit(own)
+    values = [np.asarray(self._jitted[key](self.factors, self.params, tuple(b)))
+              for b in batches]
+    if not values:
+      raise ValueError(f"{api}: batches is empty; pass at least one batch.")
+    return np.concatenate(values)
+
+  @staticmethod
+  def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Returns `(helpful, harmful)`, each `(n_query, k)` training indices: the k
+    largest scores per query (most helpful first) and the k smallest (most harmful
+    first)."""
+    scores = np.asarray(scores)
+    if scores.ndim != 2 or not 1 <= k <= scores.shape[1]:
+      raise ValueError(f"Influence.top_k: expected (n_query, n_train) scores and 1 <= k "
+                       f"<= n_train; got shape {scores.shape} and k={k}.")
+    order = np.argsort(-scores, axis=1, kind="stable")
+    return order[:, :k], np.argsort(scores, axis=1, kind="stable")[:, :k]
+
+
+def _shape(value) -> tuple:
+  """A block's `(S, d_in, d_out)` or `(size,)`, from its factors or its batch arrays."""
+  if isinstance(value, KroneckerBlock):
+    return tuple(value.eigenvalues.shape)
+  if isinstance(value, DiagonalBlock):
+    return tuple(value.eigenvalues.shape)
+  if isinstance(value, tuple):  # Kronecker `(x, g)`.
+    x, g = value
+    return (x.shape[0], x.shape[-1], g.shape[-1])
+  return tuple(value.shape[1:])
+
+
+def _divide(factors: InfluenceFactors, name: str, g):
+  """`g` (rotated) divided by block `name`'s damped eigenvalues (as it is for
+  `"identity"`)."""
+  block = factors.blocks[name]
+  if factors.strategy == "identity":
+    return g
+  if isinstance(block, KroneckerBlock):
+    return g / (block.eigenvalues + block.damping[:, None, None])[:, None]
+  return g / (block.eigenvalues + block.damping)

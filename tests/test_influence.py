@@ -1,0 +1,304 @@
+"""`gl.fit_influence` against plain JAX: identity scores are `vmap(grad)` inner
+products; K-FAC and EK-FAC scores are their formulas computed densely in float64
+NumPy from `vmap(grad)` per-example gradients, the layers' inputs and the output
+cotangents of the zero-perturbation trick, and `np.linalg.eigh`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import oryx_gradlog as gl
+
+N, Q, B = 12, 3, 4  # training examples, queries, batch size
+
+
+def _normal(key, *shape, scale=0.5):
+  return scale * jax.random.normal(jax.random.PRNGKey(key), shape)
+
+
+def _batches(*arrays, size=B):
+  n = arrays[0].shape[0]
+  return [tuple(a[i:i + size] for a in arrays) for i in range(0, n, size)]
+
+
+# ----------------------------------------------------------------------------------
+# The dense formulas, from per-block per-example quantities (float64).
+
+
+def _reference(strategy, blocks, queries, damping=None):
+  """`blocks`: per block, `("kron", a (N, T, i), g (N, T, o), G (N, i, o))` or
+  `("diag", G (N, n))` of the training examples; `queries`: per block its query
+  gradients `(Q, i, o)` or `(Q, n)`. Returns `(Q, N)` scores."""
+  total = 0.0
+  for block, gq in zip(blocks, queries):
+    if block[0] == "kron":
+      _, a, g, grads = (np.asarray(v, np.float64) if not isinstance(v, str) else v
+                        for v in block)
+      if strategy == "identity":
+        total = total + np.einsum("qio,nio->qn", gq, grads)
+        continue
+      count = a.shape[0] * a.shape[1]
+      e_a, q_a = np.linalg.eigh(np.einsum("nti,ntj->ij", a, a) / count)
+      e_s, q_s = np.linalg.eigh(np.einsum("nto,ntp->op", g, g) / count)
+      if strategy == "kfac":
+        eig = np.outer(e_a, e_s)
+      else:
+        eig = np.mean(np.einsum("ij,nio,op->njp", q_a, grads, q_s) ** 2, axis=0)
+      damp = 0.1 * eig.mean() if damping is None else damping
+      rotated = np.einsum("ij,qio,op->qjp", q_a, gq, q_s) / (eig + damp)
+      pre = np.einsum("ij,qjp,op->qio", q_a, rotated, q_s)
+      total = total + np.einsum("qio,nio->qn", pre, grads)
+    else:
+      grads = np.asarray(block[1], np.float64)
+      if strategy == "identity":
+        total = total + gq @ grads.T
+        continue
+      eig = np.mean(grads ** 2, axis=0)
+      damp = 0.1 * eig.mean() if damping is None else damping
+      total = total + (gq / (eig + damp)) @ grads.T
+  return total
+
+
+def _assert_scores(actual, expected, tol=2e-4):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape
+  np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * np.abs(expected).max())
+
+
+def _per_example(loss, params, *batch):
+  """`vmap(grad)` of the loss of one-example batches."""
+  one = lambda p, *ex: loss(p, *(v[None] for v in ex))
+  return jax.vmap(jax.grad(one), in_axes=(None,) + (0,) * len(batch))(params, *batch)
+
+
+# ----------------------------------------------------------------------------------
+# An MLP: two dense layers with biases (each bias in its layer's block) and an
+# element-wise output scale (a diagonal block).
+
+
+def _mlp():
+  params = {"w1": _normal(1, 5, 4), "b1": _normal(2, 4), "w2": _normal(3, 4, 3),
+            "b2": _normal(4, 3), "s": 1 + _normal(5, 3, scale=0.2)}
+  x, t = _normal(6, N + Q, 5, scale=1.0), _normal(7, N + Q, 3, scale=1.0)
+
+  def forward(p, x, e1=0.0, e2=0.0):
+    z1 = x @ p["w1"] + p["b1"] + e1
+    h = jnp.tanh(z1)
+    z2 = h @ p["w2"] + p["b2"] + e2
+    return z2 * p["s"], h
+
+  def loss(p, x, t):
+    y, _ = forward(p, x)
+    return jnp.mean(0.5 * jnp.sum((y - t) ** 2, axis=-1))
+
+  return params, x, t, forward, loss
+
+
+def _mlp_blocks(params, x, t, forward, loss):
+  grads = _per_example(loss, params, x, t)
+  _, h = forward(params, x)
+
+  def pert(e1, e2, x, t):  # One example: the cotangents of z1 and z2.
+    y, _ = forward(params, x[None], e1, e2)
+    return 0.5 * jnp.sum((y[0] - t) ** 2)
+
+  g1, g2 = jax.vmap(jax.grad(pert, argnums=(0, 1)), in_axes=(None, None, 0, 0))(
+      jnp.zeros(4), jnp.zeros(3), x, t)
+  ones = jnp.ones((x.shape[0], 1))
+  a1, a2 = jnp.concatenate([x, ones], 1), jnp.concatenate([h, ones], 1)
+  full1 = jnp.concatenate([grads["w1"], grads["b1"][:, None]], 1)
+  full2 = jnp.concatenate([grads["w2"], grads["b2"][:, None]], 1)
+  return [("kron", a1[:, None], g1[:, None], full1), ("kron", a2[:, None], g2[:, None], full2),
+          ("diag", grads["s"])]
+
+
+@pytest.mark.parametrize("strategy", ["identity", "kfac", "ekfac"])
+def test_mlp_scores_match_the_dense_formulas(strategy):
+  params, x, t, forward, loss = _mlp()
+  train, query = (x[:N], t[:N]), (x[N:], t[N:])
+  influence = gl.fit_influence(loss, params, _batches(*train), strategy=strategy)
+  scores = influence.scores(_batches(*query, size=Q), _batches(*train))
+  blocks = _mlp_blocks(params, *train, forward, loss)
+  queries = [b[-1] for b in _mlp_blocks(params, *query, forward, loss)]
+  _assert_scores(scores, _reference(strategy, blocks, queries))
+  if strategy == "identity":  # Plain gradient products over every parameter.
+    flat = lambda g: jnp.concatenate([v.reshape(v.shape[0], -1) for v in jax.tree.leaves(g)], 1)
+    gq, gt = flat(_per_example(loss, params, *query)), flat(_per_example(loss, params, *train))
+    _assert_scores(scores, gq @ gt.T)
+  own = influence.self_influence(_batches(*train))
+  diagonal = _reference(strategy, blocks, [b[-1] for b in blocks])
+  np.testing.assert_allclose(own, np.diag(diagonal), rtol=2e-4)
+  # Blocks: each dense layer with its bias, the scale alone.
+  assert {k: b.keys for k, b in influence.factors.blocks.items()} == {
+      "w1": ("w1", "b1"), "w2": ("w2", "b2"), "s": ("s",)}
+
+
+def test_damping_given_and_hand_marked_layers_give_the_same_scores():
+  params, x, t, forward, loss = _mlp()
+
+  def marked(p, x, t):  # The same MLP, its layers marked by hand.
+    h = jnp.tanh(gl.dense(x, p["w1"], p["b1"], name="fc1"))
+    y = gl.dense(h, p["w2"], p["b2"], name="fc2") * p["s"]
+    return jnp.mean(0.5 * jnp.sum((y - t) ** 2, axis=-1))
+
+  train, query = _batches(x[:N], t[:N]), _batches(x[N:], t[N:], size=Q)
+  plain = gl.fit_influence(loss, params, train, damping=0.3).scores(query, train)
+  hand = gl.fit_influence(marked, params, train, damping=0.3).scores(query, train)
+  blocks = _mlp_blocks(params, x[:N], t[:N], forward, loss)
+  queries = [b[-1] for b in _mlp_blocks(params, x[N:], t[N:], forward, loss)]
+  _assert_scores(plain, _reference("ekfac", blocks, queries, damping=0.3))
+  _assert_scores(hand, plain)
+
+
+# ----------------------------------------------------------------------------------
+# Positions: a dense layer over tokens, and a convolution over pixels.
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_dense_over_positions_and_a_convolution(strategy):
+  params = {"k": _normal(1, 3, 3, 2, 3), "kb": _normal(2, 3), "w": _normal(3, 3, 2)}
+  x = _normal(4, N + Q, 5, 4, 2, scale=1.0)
+  options = dict(window_strides=(1, 1), padding="SAME",
+                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+  def forward(p, x, e1=0.0, e2=0.0):
+    z1 = lax.conv_general_dilated(x, p["k"], **options) + p["kb"] + e1
+    h = jnp.tanh(z1).reshape(x.shape[0], -1, 3)  # (B, T = 20 pixels, 3)
+    return h @ p["w"] + e2, h
+
+  def loss(p, x):
+    y, _ = forward(p, x)
+    return jnp.mean(0.5 * jnp.sum(jnp.tanh(y) ** 2, axis=(1, 2)))
+
+  def blocks(x):
+    grads = _per_example(loss, params, x)
+    _, h = forward(params, x)
+
+    def pert(e1, e2, x):
+      y, _ = forward(params, x[None], e1, e2)
+      return 0.5 * jnp.sum(jnp.tanh(y) ** 2)
+
+    g1, g2 = jax.vmap(jax.grad(pert, argnums=(0, 1)), in_axes=(None, None, 0))(
+        jnp.zeros((1, 5, 4, 3)), jnp.zeros((1, 20, 2)), x)
+    patches = lax.conv_general_dilated_patches(
+        x, (3, 3), (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    n = x.shape[0]
+    # Patches are (C, kh, kw)-major: the kernel's (kh, kw, C) rows, reordered.
+    a1 = patches.reshape(n, 20, 2, 3, 3).transpose(0, 1, 3, 4, 2).reshape(n, 20, 18)
+    a1 = jnp.concatenate([a1, jnp.ones((n, 20, 1))], -1)
+    full1 = jnp.concatenate([grads["k"].reshape(n, 18, 3), grads["kb"][:, None]], 1)
+    return [("kron", a1, g1.reshape(n, 20, 3), full1),
+            ("kron", h, g2.reshape(n, 20, 2), grads["w"])]
+
+  train, query = _batches(x[:N]), _batches(x[N:], size=Q)
+  influence = gl.fit_influence(loss, params, train, strategy=strategy)
+  got = influence.scores(query, train)
+  expected = _reference(strategy, blocks(x[:N]), [b[-1] for b in blocks(x[N:])])
+  _assert_scores(got, expected, tol=5e-4)
+
+
+# ----------------------------------------------------------------------------------
+# Embeddings (a diagonal block), factors saved and loaded, top_k, bad input.
+
+
+def _embedding_model():
+  params = {"table": _normal(1, 7, 3), "w": _normal(2, 3, 2)}
+  ids = jax.random.randint(jax.random.PRNGKey(3), (N + Q, 4), 0, 7)
+  target = _normal(4, N + Q, 2, scale=1.0)
+
+  def loss(p, ids, target):
+    y = jnp.mean(p["table"][ids], axis=1) @ p["w"]
+    return jnp.mean(0.5 * jnp.sum((y - target) ** 2, axis=-1))
+
+  return params, ids, target, loss
+
+
+def test_embedding_and_saved_factors():
+  params, ids, target, loss = _embedding_model()
+  train, query = _batches(ids[:N], target[:N]), _batches(ids[N:], target[N:], size=Q)
+  influence = gl.fit_influence(loss, params, train, strategy="kfac")
+  assert "table" in influence.factors.blocks
+  scores = influence.scores(query, train)
+  # The embedding: a diagonal block of vmap(grad)'s per-example gradients.
+  grads = _per_example(loss, params, ids[:N], target[:N])
+  grads_q = _per_example(loss, params, ids[N:], target[N:])
+  mean_x = lambda ids: jnp.mean(params["table"][ids], axis=1)
+
+  def pert(e, ids, target):
+    y = mean_x(ids[None]) @ params["w"] + e
+    return 0.5 * jnp.sum((y[0] - target) ** 2)
+
+  cot = lambda ids, t: jax.vmap(jax.grad(pert), in_axes=(None, 0, 0))(jnp.zeros(2), ids, t)
+  blocks = [("diag", grads["table"].reshape(N, -1)),
+            ("kron", mean_x(ids[:N])[:, None], cot(ids[:N], target[:N])[:, None], grads["w"])]
+  queries = [grads_q["table"].reshape(Q, -1), grads_q["w"]]
+  _assert_scores(scores, _reference("kfac", blocks, queries))
+  # Saved as arrays, loaded into the same structure: the same scores.
+  leaves, treedef = jax.tree.flatten(influence.factors)
+  loaded = jax.tree.unflatten(treedef, [np.asarray(v) for v in leaves])
+  again = gl.Influence(loss, params, loaded).scores(query, train)
+  np.testing.assert_allclose(again, scores, rtol=1e-6)
+  helpful, harmful = gl.Influence.top_k(scores, 2)
+  np.testing.assert_array_equal(helpful, np.argsort(-scores, axis=1)[:, :2])
+  np.testing.assert_array_equal(harmful, np.argsort(scores, axis=1)[:, :2])
+
+
+def test_bad_input_is_a_clear_error():
+  params, x, t, _, loss = _mlp()
+  train = _batches(x[:N], t[:N])
+  summed = lambda p, x, t: loss(p, x, t) * x.shape[0]
+  with pytest.raises(ValueError, match=r"fit_influence: loss\(params, \*batch\) is .* mean "
+                     r"over the batch of per-example losses"):
+    gl.fit_influence(summed, params, train)
+  with pytest.raises(ValueError, match=r"batch 1 has 3 examples but batch 0 has 4"):
+    gl.fit_influence(loss, params, [train[0], (x[4:7], t[4:7])], strategy="kfac")
+  with pytest.raises(TypeError, match="is an iterator"):
+    gl.fit_influence(loss, params, iter(train))
+  with pytest.raises(ValueError, match="strategy must be one of"):
+    gl.fit_influence(loss, params, train, strategy="lissa")
+  influence = gl.fit_influence(loss, params, train, strategy="kfac")
+  twice = lambda p, x, t: loss(p, x, t) + jnp.mean(x @ p["w1"])  # w1 used twice
+  with pytest.raises(ValueError, match=r"parameters 'b1', 'w1' are not covered by the "
+                     r"fitted factors as they are used here"):
+    influence.scores(train, train, measurement=twice)
+  wider = dict(params, w1=jnp.ones((5, 6)), b1=jnp.ones(6), w2=jnp.ones((6, 3)))
+  with pytest.raises(ValueError, match=r"'w1' \(fitted with \(1, 6, 4\), here \(1, 6, 6\)\)"):
+    gl.Influence(loss, wider, influence.factors).scores(train, train)
+
+
+def test_layer_coverage_names_each_parameters_block():
+  params, x, t, _, loss = _mlp()
+  coverage = gl.layer_coverage(loss, params, x[:B], t[:B])
+  assert {p: c.influence for p, c in coverage.params.items()} == {
+      "b1": "kronecker (bias of w1)", "b2": "kronecker (bias of w2)", "s": "diagonal",
+      "w1": "kronecker", "w2": "kronecker"}
+  # A bias must vary along the layer's output features only: one broadcast along
+  # the positions (a learned position offset of the same size) is not a bias.
+  w, offset = _normal(1, 3, 4), _normal(2, 4)
+  xs = _normal(3, B, 4, 3, scale=1.0)  # 4 positions = 4 features
+  positional = lambda p, x: jnp.mean((x @ p["w"] + p["offset"][:, None]) ** 2)
+  coverage = gl.layer_coverage(positional, {"w": w, "offset": offset}, xs)
+  assert coverage.params["offset"].influence == "diagonal"
+
+
+def test_lds_is_the_mean_spearman_correlation_of_subset_sums():
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  scores = rng.normal(size=(5, 30))
+  subsets = rng.random((40, 30)) < 0.5
+  measurements = -(subsets @ scores.T) + rng.normal(scale=2.0, size=(40, 5))
+  measurements[:, 0] = np.round(measurements[:, 0])  # ties
+  expected = np.mean([stats.spearmanr(-(subsets @ scores[q]), measurements[:, q]).statistic
+                      for q in range(5)])
+  np.testing.assert_allclose(gl.lds(scores, subsets, measurements), expected, rtol=1e-12)
+  indices = np.stack([np.flatnonzero(rng.permutation(30) < 15) for _ in range(40)])
+  masks = np.zeros((40, 30), bool)
+  np.put_along_axis(masks, indices, True, 1)
+  np.testing.assert_allclose(gl.lds(scores, indices, measurements),
+                             gl.lds(scores, masks, measurements))
+  with pytest.raises(ValueError, match=r"measurements have shape \(5, 40\); expected"):
+    gl.lds(scores, subsets, measurements.T)
