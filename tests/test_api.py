@@ -119,3 +119,13 @@ def test_importing_where_oryx_cannot_be_imported_raises_the_install_lines(tmp_pa
       result.stderr)
   assert "AttributeError: module 'jax' has no attribute 'util'" in result.stderr
   assert "pip install" in result.stderr
+
+
+def test_signatures_are_readable_in_help():
+  import inspect  # pylint: disable=import-outside-toplevel
+  for api in (gl.RunLog, gl.summarize, gl.running_statistics):
+    signature = str(inspect.signature(api))
+    assert "bins=magnitude_bins()" in signature and len(signature) < 400, signature
+  np = pytest.importorskip("numpy")
+  np.testing.assert_array_equal(np.asarray(gl.statistics._summaries.DEFAULT_BINS),  # pylint: disable=protected-access
+                                gl.magnitude_bins())

@@ -202,11 +202,12 @@ def test_dense_over_positions_and_a_convolution(strategy):
 
 
 # ----------------------------------------------------------------------------------
-# Embeddings (a diagonal block), factors saved and loaded, top_k, bad input.
+# Embeddings (a Kronecker block of one-hot inputs), factors saved and loaded, top_k,
+# bad input.
 
 
 def _embedding_model():
-  params = {"table": _normal(1, 7, 3), "w": _normal(2, 3, 2)}
+  params = {"table": _normal(1, 7, 3), "w": _normal(2, 3, 2)}  # 4 ids per example
   ids = jax.random.randint(jax.random.PRNGKey(3), (N + Q, 4), 0, 7)
   target = _normal(4, N + Q, 2, scale=1.0)
 
@@ -217,26 +218,31 @@ def _embedding_model():
   return params, ids, target, loss
 
 
-def test_embedding_and_saved_factors():
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_embedding_and_saved_factors(strategy):
   params, ids, target, loss = _embedding_model()
   train, query = _batches(ids[:N], target[:N]), _batches(ids[N:], target[N:], size=Q)
-  influence = gl.fit_influence(loss, params, train, strategy="kfac")
-  assert "table" in influence.factors.blocks
+  influence = gl.fit_influence(loss, params, train, strategy=strategy)
+  assert influence.factors.blocks["table"].q_a is None  # One-hot inputs: A is diagonal.
   scores = influence.scores(query, train)
-  # The embedding: a diagonal block of vmap(grad)'s per-example gradients.
+  # The embedding: a Kronecker block whose inputs are the ids' one-hots.
   grads = _per_example(loss, params, ids[:N], target[:N])
   grads_q = _per_example(loss, params, ids[N:], target[N:])
-  mean_x = lambda ids: jnp.mean(params["table"][ids], axis=1)
+  rows = lambda ids: params["table"][ids]  # (n, T, 3)
 
-  def pert(e, ids, target):
-    y = mean_x(ids[None]) @ params["w"] + e
-    return 0.5 * jnp.sum((y[0] - target) ** 2)
+  def pert(e_rows, e_out, ids, target):  # One example: cotangents of rows and output.
+    y = jnp.mean(rows(ids) + e_rows, axis=0) @ params["w"] + e_out
+    return 0.5 * jnp.sum((y - target) ** 2)
 
-  cot = lambda ids, t: jax.vmap(jax.grad(pert), in_axes=(None, 0, 0))(jnp.zeros(2), ids, t)
-  blocks = [("diag", grads["table"].reshape(N, -1)),
-            ("kron", mean_x(ids[:N])[:, None], cot(ids[:N], target[:N])[:, None], grads["w"])]
-  queries = [grads_q["table"].reshape(Q, -1), grads_q["w"]]
-  _assert_scores(scores, _reference("kfac", blocks, queries))
+  def cotangents(ids, t):
+    return jax.vmap(jax.grad(pert, argnums=(0, 1)), in_axes=(None, None, 0, 0))(
+        jnp.zeros((4, 3)), jnp.zeros(2), ids, t)
+
+  g_rows, g_out = cotangents(ids[:N], target[:N])
+  blocks = [("kron", jax.nn.one_hot(ids[:N], 7), g_rows, grads["table"]),
+            ("kron", jnp.mean(rows(ids[:N]), axis=1)[:, None], g_out[:, None], grads["w"])]
+  queries = [grads_q["table"], grads_q["w"]]
+  _assert_scores(scores, _reference(strategy, blocks, queries))
   # Saved as arrays, loaded into the same structure: the same scores.
   leaves, treedef = jax.tree.flatten(influence.factors)
   loaded = jax.tree.unflatten(treedef, [np.asarray(v) for v in leaves])

@@ -89,16 +89,49 @@ def test_drop_policy_counts_dropped_steps(tmp_path, monkeypatch):
   np.testing.assert_array_equal(run["x"].values, run["step"].values)
 
 
-def test_a_changed_leaf_is_a_clear_error(tmp_path):
+def test_a_changed_leaf_is_a_clear_error_at_append(tmp_path):
   log = gl.RunLog(tmp_path)
-  log.append(0, {"x": np.zeros(2)})
-  log.append(1, {"x": np.zeros(3)})
-  with pytest.raises(RuntimeError, match=r"'x' changed from float64\[2\] to float64\[3\] at "
-                     r"step 1.*The 1 steps before it are saved intact"):
-    log.flush()
-  with pytest.raises(RuntimeError):
-    log.close()
-  assert gl.open_run(tmp_path).sizes["step"] == 1
+  log.append(0, {"x": np.zeros(2), "n": jnp.int32(1)})
+  with pytest.raises(ValueError, match=r"'x' was logged as float64\[2\] and is float64\[3\] "
+                     r"at step 1: keep each key's shape and dtype.*Nothing was queued"):
+    log.append(1, {"x": np.zeros(3), "n": jnp.int32(2)})
+  with pytest.raises(ValueError, match=r"'n' was logged as int32\[\] and is float32\[\] at "
+                     r"step 1.*astype\('int32'\)"):
+    log.append(1, {"x": np.ones(2), "n": jnp.float32(2)})
+  log.append(1, {"x": np.ones(2), "n": jnp.int32(2)})  # The same step, now right.
+  log.close()
+  run = gl.open_run(tmp_path)
+  np.testing.assert_array_equal(run["x"].values, [[0, 0], [1, 1]])
+  np.testing.assert_array_equal(run["n"].values, [1, 2])
+
+
+@pytest.mark.parametrize("value, what", [
+    (object(), r"a builtins.object, not an array"),
+    ("hello", r"a str \('hello'\): log numbers or arrays"),
+    (np.array(["a", "b"]), r"an array of dtype <U1"),
+])
+def test_values_that_cannot_be_stored_are_refused_at_append(tmp_path, value, what):
+  log = gl.RunLog(tmp_path)
+  log.append(0, {"loss": jnp.float32(1.0)})
+  with pytest.raises(ValueError, match=rf"RunLog.append: 'bad' is {what}.*Nothing was queued"):
+    log.append(1, {"loss": jnp.float32(0.5), "bad": value})
+  with pytest.raises(ValueError, match=r"'bad' is None, which would not be stored"):
+    log.append(1, {"loss": jnp.float32(0.5), "bad": None})
+  log.append(1, {"loss": jnp.float32(0.5)})
+  log.close()  # Nothing lost: both good steps are there.
+  np.testing.assert_array_equal(gl.open_run(tmp_path)["loss"].values, [1.0, 0.5])
+
+
+def test_keys_logged_at_some_steps_read_back_as_missing(tmp_path):
+  with gl.RunLog(tmp_path) as log:
+    for step in range(4):
+      logged = {"loss": jnp.float32(step)}
+      if step % 2:
+        logged["eval"] = {"accuracy": jnp.float32(10 * step), "seen": jnp.int32(step)}
+      log.append(step, logged)
+  run = gl.open_run(tmp_path)
+  np.testing.assert_array_equal(run["eval.accuracy"].values, [np.nan, 10, np.nan, 30])
+  np.testing.assert_array_equal(run["eval.seen"].values, [0, 1, 0, 3])
 
 
 def _three_steps(run_dir):
@@ -266,7 +299,7 @@ def test_report_writes_images_and_a_page_naming_every_record(tmp_path):
     assert f"src='{name}'" in html
 
 
-def test_command_line_report_and_error(tmp_path):
+def test_command_line_report_and_error(tmp_path, capsys):
   run_dir = _summary_run(tmp_path / "run")
   result = subprocess.run([sys.executable, "-m", "oryx_gradlog", "report", run_dir],
                           capture_output=True, text=True, timeout=300, check=False)
@@ -275,6 +308,14 @@ def test_command_line_report_and_error(tmp_path):
   result = subprocess.run([sys.executable, "-m", "oryx_gradlog", "report", str(tmp_path / "no")],
                           capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 2 and "no run here" in result.stderr
+  from oryx_gradlog import __main__ as cli  # pylint: disable=import-outside-toplevel
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    cli.main(["--version"])
+  assert metadata.version("oryx_gradlog") in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    cli.main(["report", "--help"])
+  assert "a run folder written by gl.RunLog" in capsys.readouterr().out
 
 
 def _events(logdir):

@@ -81,7 +81,14 @@ def magnitude_bins(low: float = 2.0**-34, high: float = 2.0**14, count: int = 25
   return 2.0 ** np.linspace(np.log2(low), np.log2(high), count)
 
 
-DEFAULT_BINS = magnitude_bins()
+class _DefaultBins(np.ndarray):
+  """`magnitude_bins()`, shown so in signatures (`help()`) instead of 25 numbers."""
+
+  def __repr__(self) -> str:
+    return "magnitude_bins()"
+
+
+DEFAULT_BINS = magnitude_bins().view(_DefaultBins)
 
 
 @functools.partial(

@@ -34,9 +34,13 @@ Sharp edges:
   * The queue holds whole steps (references to device arrays, no copies). With
     `when_full="block"` (default) `append` waits for room; with `"drop"` it drops
     the step, counts it in `dropped`, and the count is saved in the store.
-  * A leaf's shape and dtype must stay the same across steps. A leaf that first
-    appears at a later step is back-filled with NaN (0 for integers), as is a leaf
-    missing from a step.
+  * Leaves are numeric or boolean arrays, and a key keeps the shape and dtype of
+    the first step that logs it: anything else is a `ValueError` at `append`,
+    before anything is queued. A key may be logged at some steps only (an
+    evaluation metric): it is back-filled with NaN (0 for integers, False for
+    booleans) at the other steps, before its first step too. A key whose value is
+    `None` is an error; `None` deeper in a value (a record's place for an integer
+    leaf, which has no cotangent) is skipped, as pytrees skip it.
   * Staged steps are host copies: at most `steps_per_chunk` steps of every leaf.
   * Step numbers are integers (Python, numpy or 0-d JAX integers) that strictly
     increase from one `append` to the next, across `resume=True` too; a repeated,
@@ -96,6 +100,7 @@ from importlib import metadata
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from oryx_gradlog.statistics._summaries import DEFAULT_BINS
@@ -258,6 +263,10 @@ class RunLog:
     self._layouts = {_key(name, array): (array.shape[1:], array.dtype, array.chunks[1:])
                      for name, array in self._root.arrays()}
     self._names: dict[Any, list[str]] = {}  # Variable names by tree structure.
+    # Each leaf's (shape, dtype), fixed by the first step that logs it (the training
+    # thread's copy, checked at `append`).
+    self._specs = {name: (tuple(shape), np.dtype(dtype))
+                   for name, (shape, dtype, _) in self._layouts.items() if name != "step"}
     self._last_step = (int(self._root["step"][self._committed - 1])
                        if self._committed and "step" in self._root else None)
     self._pending: list[dict[str, Any]] = []
@@ -358,13 +367,19 @@ class RunLog:
 
     Args:
       step: the step number, an integer larger than the last one appended.
-      logged: a pytree of arrays, with the same leaves every step.
+      logged: a pytree of numeric or boolean arrays (JAX or NumPy arrays, Python
+        or NumPy numbers). Each leaf keeps the shape and dtype of the first step
+        that logs it. A key may be left out at some steps (an evaluation metric
+        every 100 steps, as TensorBoard and W&B allow): it reads back as missing
+        there (NaN; 0 for integers, False for booleans), in `open_run`, the report
+        and the TensorBoard export.
 
     Raises:
-      ValueError: `step` is not an integer, or not after the last step appended,
-        or a leaf's name cannot be stored (empty, `"step"`, longer than a file
-        name may be, or the same as another leaf's); nothing is queued and the log
-        carries on.
+      ValueError: `step` is not an integer, or not after the last step appended;
+        a leaf's name cannot be stored (empty, `"step"`, longer than a file name
+        may be, or the same as another leaf's); a leaf is not a numeric or boolean
+        array (a `str`, `None`, an object), or has another shape or dtype than
+        its key was first logged with. Nothing is queued and the log carries on.
     """
     self._raise_if_failed("append")
     if self._closed:
@@ -372,8 +387,12 @@ class RunLog:
     leaves, treedef = jax.tree_util.tree_flatten(logged)
     names = self._names.get(treedef)
     if names is None:  # Checked once per tree structure.
-      names = self._names[treedef] = _names_of("RunLog.append", logged)
-    step = self._next_step(step)
+      names = _names_of("RunLog.append", logged)
+      _check_no_none(logged)
+      self._names[treedef] = names
+    step = self._next_step(step, dry_run=True)
+    self._check_values(step, names, leaves)
+    self._next_step(step)
     flat = dict(zip(names, leaves))
     if self._when_full == "drop":
       try:
@@ -383,8 +402,30 @@ class RunLog:
     else:
       self._queue.put((step, flat))
 
-  def _next_step(self, step: Any) -> int:
-    """Returns `step` as an int; raises unless it is an integer after the last step."""
+  def _check_values(self, step: int, names: list[str], leaves: list[Any]) -> None:
+    """Every leaf a numeric or boolean array with the shape and dtype its key was
+    first logged with (read from the arrays' metadata: no device transfer)."""
+    bad, specs = [], {}
+    for name, leaf in zip(names, leaves):
+      spec = _spec_of(leaf)
+      if isinstance(spec, str):
+        bad.append(f"{name!r} is {spec}")
+        continue
+      known = self._specs.get(name, spec)
+      if known != spec:
+        bad.append(
+            f"{name!r} was logged as {known[1]}{list(known[0])} and is {spec[1]}"
+            f"{list(spec[0])} at step {step}: keep each key's shape and dtype (pad, or "
+            f"cast with .astype({str(known[1])!r})), or log the new value under another key")
+      specs[name] = spec
+    if bad:
+      raise ValueError("RunLog.append: " + "; ".join(bad) + ". Nothing was queued; the "
+                       "log carries on.")
+    self._specs.update(specs)
+
+  def _next_step(self, step: Any, dry_run: bool = False) -> int:
+    """Returns `step` as an int; raises unless it is an integer after the last step
+    (which it becomes, unless `dry_run`)."""
     is_bool = isinstance(step, (bool, np.bool_)) or getattr(step, "dtype", None) == bool
     try:
       number = None if is_bool else operator.index(step)
@@ -401,7 +442,8 @@ class RunLog:
           f"of {self.run_dir!r}; steps must increase, or the step axis would hold "
           "duplicates. Pass a growing step counter (gaps are fine), or log the new run "
           "to a new run_dir.")
-    self._last_step = number
+    if not dry_run:
+      self._last_step = number
     return number
 
   def flush(self) -> int:
@@ -443,10 +485,13 @@ class RunLog:
 
   def _raise_if_failed(self, api: str) -> None:
     if self._error is not None:
+      advice = ("Free disk space or make the folder writable, then continue with "
+                "RunLog(run_dir, resume=True)." if isinstance(self._error, OSError) else
+                "Continue with RunLog(run_dir, resume=True); the failed step is not in "
+                "the store.")
       raise RuntimeError(
           f"RunLog({self.run_dir!r}).{api}: writing a step failed: {self._error}. The "
-          f"{self._committed} steps before it are saved intact. Free disk space or make "
-          "the folder writable, then continue with RunLog(run_dir, resume=True)."
+          f"{self._committed} steps before it are saved intact. {advice}"
       ) from self._error
 
   # The writer thread's side.
@@ -567,6 +612,40 @@ class RunLog:
       if array.shape and array.shape[0] != self._committed:
         array.resize((self._committed, *array.shape[1:]))
     self._capacity = self._committed
+
+
+def _spec_of(leaf: Any) -> tuple[tuple, np.dtype] | str:
+  """`(shape, dtype)` of a numeric or boolean array-like leaf, else what it is and
+  what to log instead."""
+  if isinstance(leaf, (str, bytes)):
+    return (f"a {type(leaf).__name__} ({leaf!r:.40}): log numbers or arrays; keep text "
+            "in the run's config, or log an integer code")
+  if isinstance(leaf, (bool, int, float, complex, np.generic, np.ndarray, jax.Array)):
+    dtype = getattr(leaf, "dtype", None)  # An array's: no transfer from the device.
+    dtype = np.asarray(leaf).dtype if dtype is None else np.dtype(dtype)
+    if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number):
+      return tuple(np.shape(leaf)), dtype
+    return (f"an array of dtype {dtype}: log numeric or boolean arrays (encode text or "
+            "objects as numbers)")
+  if hasattr(leaf, "__array__"):  # Another array type (a masked array, a tensor).
+    return _spec_of(np.asarray(leaf))
+  return (f"a {type(leaf).__module__}.{type(leaf).__qualname__}, not an array: log its "
+          "numeric fields (e.g. a dict of arrays), or register it as a pytree")
+
+
+def _check_no_none(logged: Any) -> None:
+  """A key of the logged mapping whose value is `None` would be dropped silently by
+  the tree flattening: an error. (`None` deeper in a value, as records and
+  summaries hold it for what has no cotangent, is a pytree's empty node: skipped.)"""
+  if not isinstance(logged, Mapping):
+    return
+  missing = [repr(key) for key, value in logged.items() if value is None]
+  if missing:
+    raise ValueError(
+        f"RunLog.append: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} None, "
+        "which would not be stored. Leave the key out of the step instead (it reads back "
+        "as missing there), or log a number (NaN for a value not measured). Nothing was "
+        "queued; the log carries on.")
 
 
 def _checked_config(config: Any, run_dir: str) -> dict[str, Any]:

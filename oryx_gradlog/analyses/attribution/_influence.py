@@ -11,8 +11,8 @@ divided by the batch size). Positive: training on t lowers q's loss (a helpful
 example); negative: harmful. The numbers follow Kronfluence's (Grosse et al. 2023)
 conventions, so that they can be compared one to one:
 
-* A dense or convolution use whose parameter has no other use is a Kronecker
-  block. `A` is the mean of `a a^T` over examples x positions (a convolution's
+* A dense or convolution use of a view of its parameter, which has no other use,
+  is a Kronecker block. `A` is the mean of `a a^T` over examples x positions (a convolution's
   unfolded patches at its output locations), with a 1 appended to `a` where a bias
   is added to the layer's output (the bias is in its layer's block: the last row
   of the block's gradient); `S` the same mean of `g g^T`. Their eigenbases
@@ -22,10 +22,14 @@ conventions, so that they can be compared one to one:
   examples of `(Q_A^T G_i Q_S)^2`, `G_i = sum_t a_it g_it^T` the example's
   gradient, from a second pass over the data. `"identity"`: `H = 0` and no
   damping, the plain inner products of gradients.
-* Every other parameter (embeddings, element-wise scales and shifts that are not
-  a layer's bias, generic uses, a parameter with several uses) is a diagonal
-  block: the mean of the per-example squared gradients (the empirical Fisher's
-  diagonal) for both `"kfac"` and `"ekfac"`.
+* An embedding (the table's only use) is a Kronecker block too, of one-hot
+  inputs: `A` is the diagonal of the ids' frequencies over examples x positions
+  (its eigenbasis the identity, never formed), `S` as above over the gathered
+  rows' cotangents.
+* Every other parameter (element-wise scales and shifts that are not a layer's
+  bias, generic uses, a parameter with several uses) is a diagonal block: the mean
+  of the per-example squared gradients (the empirical Fisher's diagonal) for both
+  `"kfac"` and `"ekfac"`.
 * `damping=None` is 0.1 times the mean of each block's eigenvalues (per layer of a
   scan-stacked block), as Kronfluence's `damping_factor=None`; a number is added
   to every eigenvalue as it is.
@@ -39,6 +43,10 @@ Sharp edges:
     size (each size compiles its own step).
   * `batches` is read twice by `"ekfac"` (once by the others): pass a list or
     another re-iterable, not a generator.
+  * An embedding's out-of-range ids count as the row they are clamped to in `A`
+    (their gradient is dropped as the gather's vjp drops it).
+  * EK-FAC's correction forms each example's gradient in the eigenbasis (`B x
+    d_in x d_out` floats per layer, `B x vocabulary x d` for an embedding).
   * Memory: `scores` holds the preconditioned gradients of all queries
     (`n_query x n_params` floats, in the blocks' rotated bases) and one training
     batch's (`batch x n_params`), plus the `(n_query, n_train)` result; diagonal
@@ -51,15 +59,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from oryx_gradlog.analyses import _common
-from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE
+from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED
 from oryx_gradlog.record._kinds import NORM_KINDS
 from oryx_gradlog.record._selection import Selection, collect
 
@@ -73,11 +82,13 @@ _DAMPING_FACTOR = 0.1  # Kronfluence's `damping_factor=None`: 0.1 x the mean eig
     data_fields=["q_a", "q_s", "eigenvalues", "damping"], meta_fields=["keys"])
 @dataclasses.dataclass(frozen=True)
 class KroneckerBlock:
-  """The curvature of one dense or convolution layer, in its eigenbasis.
+  """The curvature of one dense, convolution or embedding layer, in its eigenbasis.
 
   Attributes:
     q_a: `(S, d_in(+1), d_in(+1))` the eigenvectors of `A` (a row and column for
-      the bias's 1 last), one per layer `S` of a scan-stacked or grouped use.
+      the bias's 1 last), one per layer `S` of a scan-stacked or grouped use;
+      `None` for an embedding, whose one-hot inputs make `A` diagonal (`d_in` is
+      the vocabulary, the eigenbasis the identity).
     q_s: `(S, d_out, d_out)` the eigenvectors of `S`.
     eigenvalues: `(S, d_in(+1), d_out)` the block's eigenvalues (K-FAC's products
       or EK-FAC's corrected ones); zeros for `"identity"`.
@@ -85,7 +96,7 @@ class KroneckerBlock:
     keys: the parameter paths in the block (the weight's, and the bias's).
   """
 
-  q_a: jax.Array
+  q_a: jax.Array | None
   q_s: jax.Array
   eigenvalues: jax.Array
   damping: jax.Array
@@ -181,8 +192,9 @@ class _Gradients:
 
 def block_layout(selection: Selection) -> tuple[dict, dict]:
   """The blocks of one selection: `{key: (LayerView, bias key or None)}` for the
-  Kronecker blocks (a dense or convolution use, the only use of its parameter, of a
-  view of it), `{key: None}` for the diagonal ones (every other parameter)."""
+  Kronecker blocks (a dense, convolution or embedding use, the only use of its
+  parameter, of a view of it), `{key: None}` for the diagonal ones (every other
+  parameter)."""
   by_position = {}
   for use in selection.uses:
     spec = getattr(use, "spec", None)
@@ -197,13 +209,13 @@ def block_layout(selection: Selection) -> tuple[dict, dict]:
         and single(use.keys[0]) and len(use.keys) == 1):
       biases[spec.shifts] = use.keys[0]
   for use in selection.uses:
-    if use.kind not in (DENSE, CONV) or len(use.keys) != 1 or not single(use.keys[0]):
+    if use.kind not in (DENSE, CONV, EMBED) or len(use.keys) != 1 or not single(use.keys[0]):
       continue
     view = use.view()  # None for an operand that is not a view of its leaf (LoRA's).
     if view is None:
       continue
     spec = getattr(use, "spec", None)
-    bias = biases.get(spec.position) if spec is not None else None
+    bias = biases.get(spec.position) if spec is not None and use.kind != EMBED else None
     if bias is not None and selection.groups[bias][0].tied_calls != use.tied_calls:
       bias = None  # A bias shared by calls whose weights are not (or the other way).
     kronecker[use.keys[0]] = (view, bias)
@@ -222,13 +234,25 @@ def _view_arrays(view, bias: str | None, scale: float):
   return x, g
 
 
+KRONECKER, DIAGONAL = "kronecker", "diagonal"
+
+
+class _Layout(NamedTuple):
+  """A block's static description: its kind (`KRONECKER`, `EMBED` or `DIAGONAL`),
+  its layer's bias (a parameter path) and an embedding's vocabulary."""
+
+  kind: str
+  bias: str | None = None
+  vocabulary: int = 0
+
+
 class _Pass:
   """What one batch gives each block (internal): `arrays` is jitted; the blocks'
   layout (static) is kept in `layout` when it is traced."""
 
   def __init__(self, gradients: _Gradients, api: str):
     self.gradients, self.api = gradients, api
-    self.layout: dict[str, tuple[str, str | None]] = {}
+    self.layout: dict[str, _Layout] = {}
 
   def arrays(self, params, batch) -> dict[str, Any]:
     """Per block: Kronecker `(x, g)`, diagonal `(B, n)` per-example gradients, of
@@ -239,22 +263,50 @@ class _Pass:
     kronecker, diagonal = block_layout(selection)
     out, layout = {}, {}
     for key, (view, bias) in kronecker.items():
-      layout[key] = ("kronecker", bias)
-      out[key] = _view_arrays(view, bias, scale)
+      if view.kind == EMBED:  # ids `(S, B, T)` and `g`.
+        layout[key] = _Layout(EMBED, None, view.vocabulary)
+        out[key] = (view.x, scale * view.g)
+      else:
+        layout[key] = _Layout(KRONECKER, bias)
+        out[key] = _view_arrays(view, bias, scale)
     for key in diagonal:
       grad = selection.per_example(key)
       leaves = [v for v in (grad.w, grad.b) if v is not None]
-      layout[key] = ("diagonal", None)
+      layout[key] = _Layout(DIAGONAL)
       out[key] = scale * jnp.concatenate([v.reshape(v.shape[0], -1) for v in leaves], 1)
     self.layout = layout
     return out
 
 
-def _rotated(block: KroneckerBlock, x, g):
-  """`(S, B, i, o)`: each example's gradient `sum_t a_t g_t^T` in the eigenbasis."""
-  xr = _common.dot("sbti,sij->sbtj", x, block.q_a.astype(x.dtype))
-  gr = _common.dot("sbto,sop->sbtp", g, block.q_s.astype(g.dtype))
-  return _common.dot("sbti,sbto->sbio", xr, gr)
+def _rotated(block: KroneckerBlock, layout: _Layout, value, rotate: bool = True):
+  """`(S, B, i, o)`: each example's gradient `sum_t a_t g_t^T` in the block's
+  eigenbasis (as it is, with `rotate=False`); an embedding's `a_t` is the one-hot
+  of its id, so its rows are scattered into the vocabulary."""
+  x, g = value
+  if rotate:
+    g = _common.dot("sbto,sop->sbtp", g, block.q_s.astype(g.dtype))
+  if layout.kind == EMBED:
+    def scatter(ids, g):
+      return jnp.zeros((layout.vocabulary, g.shape[-1]), g.dtype).at[ids].add(g)
+    return jax.vmap(jax.vmap(scatter))(x, g)
+  if rotate:
+    x = _common.dot("sbti,sij->sbtj", x, block.q_a.astype(x.dtype))
+  return _common.dot("sbti,sbto->sbio", x, g)
+
+
+def _factor_sums(layout: _Layout, value) -> list:
+  """One batch's sums for a block: `[A, S, positions]` (an embedding's `A` as the
+  `(S, V)` counts of its ids), or a diagonal block's `[sum of squares, examples]`."""
+  if layout.kind == DIAGONAL:
+    return [np.asarray(jnp.sum(value * value, axis=0), np.float64), value.shape[0]]
+  x, g = value
+  if layout.kind == EMBED:
+    count = lambda ids: jnp.zeros(layout.vocabulary, g.dtype).at[ids.ravel()].add(1)
+    a = jax.vmap(count)(x)
+  else:
+    a = _common.dot("sbti,sbtj->sij", x, x)
+  s = _common.dot("sbto,sbtp->sop", g, g)
+  return [np.asarray(a, np.float64), np.asarray(s, np.float64), g.shape[1] * g.shape[2]]
 
 
 def fit_influence(
@@ -267,6 +319,7 @@ def fit_influence(
     projection: Any = None,
     argnums: int = 0,
     batch_argnums: int | Sequence[int] | None = None,
+    progress: bool | None = None,
 ) -> Influence:
   """Fits influence functions of the training examples on `loss` at `params`.
 
@@ -283,6 +336,8 @@ def fit_influence(
     projection: not yet supported (`None`).
     argnums: the positional argument holding the parameters.
     batch_argnums: the arguments holding the batch (default: all others).
+    progress: print each pass's progress to stderr (default: when stderr is a
+      terminal).
 
   Returns:
     An `Influence`.
@@ -318,8 +373,17 @@ def fit_influence(
   arrays = jax.jit(passes.arrays)
   sizes: list[int] = []
 
+  show = sys.stderr.isatty() if progress is None else progress
+  n_batches = len(batches) if hasattr(batches, "__len__") else None
+  passes_total = 2 if strategy == "ekfac" else 1
+
   def each(check_first: bool):
+    number = 1 if check_first else 2
     for i, batch in enumerate(batches):
+      if show:
+        of = f"/{n_batches}" if n_batches is not None else ""
+        print(f"\r{api}: pass {number}/{passes_total}, batch {i + 1}{of}", end="",
+              file=sys.stderr, flush=True)
       batch = tuple(batch)
       size = int(np.shape(jax.tree.leaves(batch)[0])[0])
       if sizes and i >= len(sizes) and size != sizes[0]:
@@ -331,39 +395,36 @@ def fit_influence(
       if check_first and i == 0:
         _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums)
       yield arrays(params, batch)
+    if show:
+      print(file=sys.stderr, flush=True)
 
   # Pass 1: the Kronecker factors (sums over examples x positions) and the
   # diagonal blocks' sums of squares.
   sums: dict[str, list] = {}
-  kinds: dict[str, tuple] = {}
+  layouts: dict[str, _Layout] = {}
   for out in each(check_first=True):
     for key, value in out.items():
-      kind, bias = kinds[key] = passes.layout[key]
-      if kind == "kronecker":
-        x, g = value
-        a = np.asarray(_common.dot("sbti,sbtj->sij", x, x), np.float64)
-        s = np.asarray(_common.dot("sbto,sbtp->sop", g, g), np.float64)
-        count = x.shape[1] * x.shape[2]
-        parts = [a, s, count]
-      else:
-        parts = [np.asarray(jnp.sum(value * value, axis=0), np.float64), value.shape[0]]
+      layouts[key] = passes.layout[key]
+      parts = _factor_sums(layouts[key], value)
       sums[key] = parts if key not in sums else [u + v for u, v in zip(sums[key], parts)]
   if not sums:
     raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
 
   blocks: dict[str, Any] = {}
   for key, parts in sums.items():
-    kind, bias = kinds[key]
-    keys = (key,) if bias is None else (key, bias)
-    if kind == "kronecker":
+    layout = layouts[key]
+    keys = (key,) if layout.bias is None else (key, layout.bias)
+    if layout.kind != DIAGONAL:
       a, s, count = parts
       if strategy == "identity":  # No curvature: the bases are not used.
-        q_a, q_s = np.broadcast_to(np.eye(a.shape[-1]), a.shape), np.broadcast_to(
-            np.eye(s.shape[-1]), s.shape)
+        q_a = q_s = None
         eig = np.zeros(a.shape[:2] + s.shape[-1:])
       else:  # Float64 eigenbases (float32 is not accurate enough for EK-FAC).
-        e_a, q_a = np.linalg.eigh(a / count)
         e_s, q_s = np.linalg.eigh(s / count)
+        if layout.kind == EMBED:  # One-hot inputs: A is diagonal, its basis the identity.
+          e_a, q_a = a / count, None
+        else:
+          e_a, q_a = np.linalg.eigh(a / count)
         eig = e_a[:, :, None] * e_s[:, None, :]  # As Kronfluence: kron(eig A, eig S).
       blocks[key] = KroneckerBlock(q_a, q_s, eig, np.zeros(a.shape[0]), keys)
     else:
@@ -373,13 +434,13 @@ def fit_influence(
 
   if strategy == "ekfac":  # Pass 2: the eigenvalues corrected in the eigenbases.
     corrected = {key: [0.0, 0] for key, b in blocks.items() if isinstance(b, KroneckerBlock)}
-    rotate = jax.jit(lambda block, x, g: jnp.sum(_rotated(block, x, g) ** 2, axis=1))
+    squares = jax.jit(lambda block, value, layout: jnp.sum(
+        _rotated(block, layout, value) ** 2, axis=1), static_argnums=2)
     for out in each(check_first=False):
       for key in corrected:
-        x, g = out[key]
-        corrected[key][0] = corrected[key][0] + np.asarray(rotate(blocks[key], x, g),
-                                                           np.float64)
-        corrected[key][1] += x.shape[1]
+        total = squares(blocks[key], out[key], layouts[key])
+        corrected[key][0] = corrected[key][0] + np.asarray(total, np.float64)
+        corrected[key][1] += out[key][1].shape[1]
     for key, (total, count) in corrected.items():
       blocks[key] = dataclasses.replace(blocks[key], eigenvalues=total / count)
 
@@ -394,9 +455,10 @@ def fit_influence(
     else:
       damp = np.full(eig.shape[:1] if isinstance(block, KroneckerBlock) else (), damping)
     # On the device in the default float (float64 with x64 on).
+    device = lambda v: None if v is None else jnp.asarray(v)
     finished[key] = dataclasses.replace(
         block, eigenvalues=jnp.asarray(eig), damping=jnp.asarray(damp),
-        **({"q_a": jnp.asarray(block.q_a), "q_s": jnp.asarray(block.q_s)}
+        **({"q_a": device(block.q_a), "q_s": device(block.q_s)}
            if isinstance(block, KroneckerBlock) else {}))
   factors = InfluenceFactors(finished, strategy)
   return Influence(loss, params, factors, argnums=argnums, batch_argnums=batch_argnums)
@@ -441,19 +503,18 @@ class Influence:
       arrays = passes.arrays(params, batch)
       bad = []
       for name, value in arrays.items():
-        kind, bias = passes.layout[name]
+        layout = passes.layout[name]
         block = factors.blocks.get(name)
-        keys = (name,) if bias is None else (name, bias)
-        if (block is None or (kind == "kronecker") != isinstance(block, KroneckerBlock)
+        keys = (name,) if layout.bias is None else (name, layout.bias)
+        if (block is None or (layout.kind != DIAGONAL) != isinstance(block, KroneckerBlock)
             or block.keys != keys):
           bad.append(repr(name))
-        elif _shape(block) != _shape(value):
-          bad.append(f"{name!r} (fitted with {_shape(block)}, here {_shape(value)})")
-        elif kind == "kronecker":
-          out[name] = (_common.dot("sbti,sbto->sbio", *value) if factors.strategy == "identity"
-                       else _rotated(block, *value))
-        else:
+        elif _shape(block) != _shape(value, layout):
+          bad.append(f"{name!r} (fitted with {_shape(block)}, here {_shape(value, layout)})")
+        elif layout.kind == DIAGONAL:
           out[name] = value
+        else:
+          out[name] = _rotated(block, layout, value, rotate=factors.strategy != "identity")
       if bad:
         raise ValueError(
             f"{api}: the parameters {', '.join(bad)} are not covered by the fitted factors "
@@ -549,16 +610,16 @@ class Influence:
     return order[:, :k], np.argsort(scores, axis=1, kind="stable")[:, :k]
 
 
-def _shape(value) -> tuple:
-  """A block's `(S, d_in, d_out)` or `(size,)`, from its factors or its batch arrays."""
-  if isinstance(value, KroneckerBlock):
+def _shape(value, layout: _Layout | None = None) -> tuple:
+  """A block's `(S, d_in, d_out)` or `(size,)`, from its factors or from one batch's
+  arrays (with their `layout`)."""
+  if isinstance(value, (KroneckerBlock, DiagonalBlock)):
     return tuple(value.eigenvalues.shape)
-  if isinstance(value, DiagonalBlock):
-    return tuple(value.eigenvalues.shape)
-  if isinstance(value, tuple):  # Kronecker `(x, g)`.
-    x, g = value
-    return (x.shape[0], x.shape[-1], g.shape[-1])
-  return tuple(value.shape[1:])
+  if layout.kind == DIAGONAL:
+    return tuple(value.shape[1:])
+  x, g = value
+  d_in = layout.vocabulary if layout.kind == EMBED else x.shape[-1]
+  return (g.shape[0], d_in, g.shape[-1])
 
 
 def _divide(factors: InfluenceFactors, name: str, g):

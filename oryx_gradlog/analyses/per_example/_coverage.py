@@ -11,8 +11,8 @@ leaf says how its per-example gradient will be formed:
   cotangents) or `"materialized"` (the per-example gradients are formed), chosen by
   the same cost model as `per_example_norms(method="auto")`;
 * the estimated multiply-adds and floats held for its per-example norms;
-* the curvature block `gl.fit_influence` gives it (Kronecker, with its layer's
-  bias, or diagonal);
+* the curvature block `gl.fit_influence` gives it (Kronecker, a bias with its
+  layer, or diagonal);
 * or why it is not covered: a use that couples examples (batch norm, a loss term
   over the batch), or no use at all (the parameter never meets the batch).
 
@@ -73,9 +73,9 @@ class ParamCoverage:
     floats: estimated floats held for them.
     covered: whether the per-example analyses can read it.
     note: why not, or what to know.
-    influence: the block `gl.fit_influence` gives it: `"kronecker"` (a dense or
-      convolution layer's), `"kronecker (bias of PATH)"`, `"diagonal"`, or `""`
-      if not covered.
+    influence: the block `gl.fit_influence` gives it: `"kronecker"` (a dense,
+      convolution or embedding layer's), `"kronecker (bias of PATH)"`,
+      `"diagonal"`, or `""` if not covered.
   """
 
   path: str
