@@ -12,11 +12,11 @@ example); negative: harmful. The numbers follow Kronfluence's (Grosse et al. 202
 conventions, so that they can be compared one to one:
 
 * A dense or convolution use of a view of its parameter, which has no other use,
-  is a Kronecker block. `A` is the mean of `a a^T` over examples x positions (a convolution's
-  unfolded patches at its output locations), with a 1 appended to `a` where a bias
-  is added to the layer's output (the bias is in its layer's block: the last row
-  of the block's gradient); `S` the same mean of `g g^T`. Their eigenbases
-  `Q_A`, `Q_S` are computed in float64 on the host.
+  is a Kronecker block. `A` is the mean of `a a^T` over examples x positions (a
+  convolution's unfolded patches at its output locations), with a 1 appended to
+  `a` where a bias is added to the layer's output (the bias is in its layer's
+  block: the last row of the block's gradient); `S` the same mean of `g g^T`.
+  Their eigenbases `Q_A`, `Q_S` are computed in float64 on the host.
 * `strategy="kfac"`: the block's eigenvalues are `eig(A) (x) eig(S)`;
   `"ekfac"` (eigenvalue-corrected K-FAC, Kronfluence's default): the mean over
   examples of `(Q_A^T G_i Q_S)^2`, `G_i = sum_t a_it g_it^T` the example's
@@ -34,8 +34,9 @@ conventions, so that they can be compared one to one:
   scan-stacked block), as Kronfluence's `damping_factor=None`; a number is added
   to every eigenvalue as it is.
 
-The gradients are those of the loss on the true labels (the empirical Fisher):
-pass a loss on labels sampled from the model to fit the true Fisher.
+The gradients are those of the loss on the batch's own labels (the empirical
+Fisher, Kronfluence's `use_empirical_fisher=True`); labels sampled from the model
+(the true Fisher) are not an option yet.
 
 Sharp edges:
   * `loss(params, *batch)` must be the mean over the batch of per-example losses
