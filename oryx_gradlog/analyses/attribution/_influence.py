@@ -497,6 +497,15 @@ class Influence:
     return self._jitted[key]
 
   def _rotated_gradients(self, fun: Callable, api: str):
+    """`(factors, params, batch) -> {block: rotated per-example gradients}` of `fun`,
+    made once per function and API (its record_layers trace is then shared by the
+    queries' and the training examples' steps of `scores`)."""
+    key = ("gradients", fun, api)
+    if key not in self._jitted:
+      self._jitted[key] = self._make_gradients(fun, api)
+    return self._jitted[key]
+
+  def _make_gradients(self, fun: Callable, api: str):
     passes = _Pass(_Gradients(api, fun, self.argnums, self.batch_argnums), api)
 
     def gradients(factors, params, batch):
