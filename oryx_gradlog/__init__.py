@@ -7,134 +7,19 @@ any function that runs a backward pass through them:
     >>> f = lambda x: jnp.sum(gl.tap(jnp.sin(x), name="y") ** 2)
     >>> gl.reap(jax.grad(f))(jnp.array([3.0]))
     {'y': Array([0.28224], dtype=float32)}
+
+Sharp edges:
+  * `import oryx_gradlog` is quick and imports neither JAX nor Oryx: the first use of
+    a public name (`gl.reap`, `from oryx_gradlog import reap`) loads them and the
+    whole API (so `python -m oryx_gradlog --help` answers at once). A JAX and Oryx
+    pair that cannot work together raises its `ImportError`, with the install lines,
+    at that first use.
 """
 
-from oryx_gradlog.record import _compat
+from typing import TYPE_CHECKING
 
-_compat.check_supported()
-
-from oryx_gradlog.record import _oryx_rules  # noqa: F401  (installs Oryx rules)
-from oryx_gradlog.analyses.per_example._accounting import (
-    dp_epsilon,
-    dp_noise_multiplier,
-)
-from oryx_gradlog.analyses.per_example._clip import (
-    ClippedGrads,
-    clipped_grad,
-    per_example_clip,
-    to_param_tree,
-)
-from oryx_gradlog.analyses.per_example._coverage import (
-    LayerCoverage,
-    ParamCoverage,
-    UseCoverage,
-    layer_coverage,
-)
-from oryx_gradlog.analyses.instruments._cockpit import (
-    InstrumentsState,
-    InstrumentsTransform,
-    Schedule,
-    linear_schedule,
-    logarithmic_schedule,
-    training_instruments,
-)
-from oryx_gradlog.analyses.attribution._lds import lds
-from oryx_gradlog.analyses.attribution._influence import (
-    Influence,
-    InfluenceFactors,
-    fit_influence,
-)
-from oryx_gradlog.analyses.curvature._curvature import (
-    KFACFactors,
-    gradient_variance,
-    kfac_factors,
-    sum_grad_squared,
-)
-from oryx_gradlog.analyses.per_example._ghost import (
-    PerExampleNorms,
-    per_example_norms,
-)
-from oryx_gradlog.analyses.curvature._hessian import (
-    hessian_diagonal,
-    hessian_max_eigenvalue,
-    hessian_trace,
-)
-from oryx_gradlog.analyses.instruments._histograms import (
-    GradientHistograms,
-    gradient_histograms,
-)
-from oryx_gradlog.analyses.instruments._instruments import (
-    BatchSizeTests,
-    GradientSNR,
-    batch_size_tests,
-    gradient_snr,
-)
-from oryx_gradlog.analyses.instruments._step_quality import (
-    step_alpha,
-    update_size,
-)
-from oryx_gradlog.record._layers import (
-    LayerInputs,
-    conv2d,
-    dense,
-    dense_dot_general,
-    embed,
-    layer_norm,
-)
-from oryx_gradlog.statistics._moving_average import (
-    MovingAverage,
-    moving_average,
-)
-from oryx_gradlog.analyses.debugging._nan import (
-    NonFiniteReport,
-    find_nonfinite,
-    raise_if_nonfinite,
-)
-from oryx_gradlog.analyses.instruments._noise import (
-    GradientNoise,
-    NoiseScale,
-    gradient_noise_scale,
-)
-from oryx_gradlog.analyses.per_example._privacy import (
-    DPNoiseState,
-    DPNoiseTransform,
-    PoissonBatch,
-    add_dp_noise,
-    dp_noise,
-    poisson_batch,
-)
-from oryx_gradlog.record._canonical import LayerParams
-from oryx_gradlog.record._reap import (
-    call_and_reap,
-    reap,
-)
-from oryx_gradlog.record.record_layers import (
-    LayerUse,
-    record_layers,
-)
-from oryx_gradlog.record._record import (
-    VJPRecord,
-    record_vjp,
-    tap,
-)
-from oryx_gradlog.storage._report import report
-from oryx_gradlog.statistics._running import (
-    RunningStats,
-    StatisticsTransform,
-    running_statistics,
-)
-from oryx_gradlog.record._sites import DEFAULT_TAG
-from oryx_gradlog.storage._store import (
-    RunLog,
-    open_run,
-)
-from oryx_gradlog.statistics._summaries import (
-    Logged,
-    Summary,
-    magnitude_bins,
-    summarize,
-)
-from oryx_gradlog.storage._tensorboard import export_tensorboard
+if TYPE_CHECKING:  # Type checkers and IDEs see every public name.
+  from oryx_gradlog._api import *  # noqa: F403  # pylint: disable=wildcard-import
 
 __version__ = "0.1.0"
 
@@ -227,6 +112,15 @@ _RENAMED = {
 
 
 def __getattr__(name: str):
+  """Loads the whole public API on the first use of any of its names."""
+  if name in __all__:
+    from oryx_gradlog import _api  # pylint: disable=import-outside-toplevel
+    globals().update((n, getattr(_api, n)) for n in __all__)
+    return globals()[name]
   if name in _RENAMED:
     raise AttributeError(f"oryx_gradlog.{name} was renamed: use gl.{_RENAMED[name]}.")
   raise AttributeError(f"module 'oryx_gradlog' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

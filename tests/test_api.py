@@ -79,6 +79,32 @@ def test_both_tensorflow_probability_packages_are_named_in_the_error():
     _compat.check_supported(probe=lambda: 1 / 0, installed=installed)
 
 
+def test_a_missing_module_below_oryx_is_named_with_its_pip_line():
+  def probe():
+    try:
+      raise ModuleNotFoundError("No module named 'tf_keras'", name="tf_keras")
+    except ModuleNotFoundError as error:  # As tfp re-raises it, inside Oryx's import.
+      raise ImportError("Oryx failed to import") from error
+
+  with pytest.raises(ImportError) as info:
+    _compat.check_supported(probe=probe)
+  message = str(info.value)
+  assert "the module `tf_keras`, which one of its dependencies imports, is missing" in message
+  assert "import oryx_gradlog before TensorFlow" in message
+  assert message.endswith("pip install tf-keras")
+  assert "work together" not in message  # Not a JAX/Oryx mismatch.
+  def raising(error):
+    def probe():
+      raise error
+    return probe
+
+  with pytest.raises(ImportError, match=r"the module `einops\.layers`.*pip install einops$"):
+    _compat.check_supported(probe=raising(ModuleNotFoundError("x", name="einops.layers")))
+  # A missing Oryx itself is a set to install.
+  with pytest.raises(ImportError, match="work together"):
+    _compat.check_supported(probe=raising(ModuleNotFoundError("x", name="oryx.core")))
+
+
 @pytest.mark.parametrize("name", ["", None, 3, "a#gradlog:b"])
 def test_bad_names_are_rejected_with_the_api_named(name):
   with pytest.raises(ValueError, match=r"record_vjp\(name=.*a record name must be"):
@@ -111,10 +137,13 @@ def test_importing_where_oryx_cannot_be_imported_raises_the_install_lines(tmp_pa
   (tmp_path / "oryx").mkdir()
   (tmp_path / "oryx" / "__init__.py").write_text(
       "raise AttributeError(\"module 'jax' has no attribute 'util'\")\n")
-  result = subprocess.run([sys.executable, "-c", "import oryx_gradlog"],
+  # The import itself takes no JAX; the first public name loads it, and fails.
+  code = ("import sys, oryx_gradlog; assert 'jax' not in sys.modules and 'oryx' not in "
+          "sys.modules, sorted(sys.modules); print('imported'); oryx_gradlog.reap")
+  result = subprocess.run([sys.executable, "-c", code],
                           capture_output=True, text=True, timeout=120, check=False,
                           env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
-  assert result.returncode != 0
+  assert result.returncode != 0 and result.stdout == "imported\n", result.stderr
   assert "ImportError: oryx_gradlog needs JAX and Oryx releases that work together" in (
       result.stderr)
   assert "AttributeError: module 'jax' has no attribute 'util'" in result.stderr

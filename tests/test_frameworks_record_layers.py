@@ -123,6 +123,32 @@ def test_nnx_stock_modules():
       "image_head.bias", "image_head.kernel", "norm.bias", "norm.scale", "rms.scale"])
 
 
+class NNXRecurrent(nnx.Module):
+  """A GRU over the sequence (Flax NNX 0.10's `nnx.RNN` carries the cell's parameters
+  through its scan unchanged; 0.12's passes them as constants), batch norm in
+  evaluation mode (its statistics are not parameters) and dropout."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.rnn = nnx.RNN(nnx.GRUCell(D, 3, rngs=rngs))
+    self.norm = nnx.BatchNorm(3, use_running_average=True, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, deterministic=True)  # Per example: no batch-wide mask.
+    self.head = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, images, ids):
+    del images
+    x = self.embed(ids)  # An initial carry given: NNX 0.12's own draws from an RNG.
+    h = self.rnn(x, initial_carry=jnp.zeros((x.shape[0], 3), x.dtype))
+    return self.head(self.drop(self.norm(h)))
+
+
+def test_nnx_rnn_with_batch_norm_in_evaluation_mode():
+  per_example, params = _nnx_functional(NNXRecurrent(nnx.Rngs(0)))
+  _check(per_example, params, _batch(), [
+      "embed.embedding", "head.bias", "head.kernel", "norm.bias", "norm.scale",
+      "rnn.cell.dense_h.kernel", "rnn.cell.dense_i.bias", "rnn.cell.dense_i.kernel"])
+
+
 class NNXStack(nnx.Module):
   """`DEPTH` blocks made by `nnx.vmap` and run by `nnx.scan` (both NNX 0.10 and 0.12)."""
 

@@ -42,6 +42,15 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, capsys):
   # Block 4's readings: its last step (29) is not a read step (every=10): NaN.
   assert {"loss", "grad_norm", "alpha"} <= set(namespace["readings"])
   assert np.isnan(float(namespace["readings"]["grad_norm"]))
+  # The NNX block (dropout, batch norm, GRU): with a clip no example reaches, the
+  # clipped gradient is the loss's own gradient, dropout key and carry included.
+  tag_loss = namespace["tag_loss"]
+  args = [namespace[n] for n in ("tagger_params", "words", "tags", "carry", "key")]
+  unclipped = namespace["gl"].clipped_grad(
+      tag_loss, l2_norm_clip=1e9, batch_argnums=(1, 2, 3))(*args)
+  for got, want in zip(jax.tree.leaves(unclipped), jax.tree.leaves(jax.grad(tag_loss)(*args))):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+  assert namespace["tag_norms"].shape == (16,) and np.all(np.isfinite(namespace["tag_norms"]))
   scores = namespace["scores"]
   assert scores.shape == (4, 32) and np.all(np.isfinite(scores))
   # Block 6's norms against vmap(grad) of the block-5 loss.

@@ -441,6 +441,22 @@ def rnn_scan_with_a_tied_cell():
 
 
 @model
+def rnn_scan_with_the_cell_in_its_carry():
+  """The same RNN with the cell's weights carried through the scan unchanged (as Flax
+  NNX 0.10's `nnx.RNN` carries its cell): loop constants, not loop state."""
+  def per_example(p, x):
+    def cell(carry, xt):
+      (u, w), c = carry
+      c = jnp.tanh(c @ u + xt @ w)
+      return ((u, w), c), c
+    (_, c), hs = lax.scan(cell, ((p["u"], p["w"]), jnp.zeros((x.shape[0], 4))),
+                          jnp.swapaxes(x, 0, 1))
+    return _sq(c) + _sq(jnp.swapaxes(hs, 0, 1) @ p["out"])
+  params = {"u": _normal(1, 4, 4), "w": _normal(2, 3, 4), "out": _normal(4, 4, 2)}
+  return per_example, params, (_normal(5, B, 5, 3, scale=1.0),)
+
+
+@model
 def vmap_inside_the_loss():
   """A model written for one example, vmapped inside the loss (Equinox style)."""
   def one(p, image, ids):
@@ -754,19 +770,43 @@ def _batch_norm_loss():
 
 def test_weight_decay_in_the_loss_is_an_error_naming_the_parameter_and_the_op():
   loss, params, x, y = _weight_decay_loss()
-  with pytest.raises(ValueError, match=r"clipped_grad: parameter 'w2' .* (mul|add) .*"
-                                       r"no batch axis"):
+  with pytest.raises(ValueError, match=r"clipped_grad: these parameters have no "
+                     r"per-example gradient: 'w2' \((mul|add) .*no batch axis.*"
+                     r"optax.add_decayed_weights"):
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x, y)
   records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x, y)
-  with pytest.raises(ValueError, match=r"per_example_norms: parameter 'w2'.*"
-                                       r"layer_coverage"):
+  with pytest.raises(ValueError, match=r"per_example_norms: these parameters have no "
+                     r"per-example gradient: 'w2'.*layer_coverage"):
     gl.per_example_norms(records)
+
+
+def test_a_loss_with_aux_and_no_has_aux_is_an_error_naming_has_aux():
+  def loss(p, x):
+    h = x @ p["w"]
+    return jnp.mean(_sq(h)), {"h": h}
+  params, x = {"w": _normal(1, 3, 2)}, _normal(2, B, 3, scale=1.0)
+  for api, call in (("clipped_grad", lambda: gl.clipped_grad(loss, l2_norm_clip=1.0)),
+                    ("layer_coverage", lambda: lambda *a: gl.layer_coverage(loss, *a))):
+    with pytest.raises(TypeError, match=rf"{api}: the loss returned more than a scalar. A "
+                       r"loss that returns \(loss, aux\).*needs has_aux=True, as for "
+                       rf"jax.grad: gl.{api}\(loss, \.\.\., has_aux=True\)"):
+      call()(params, x)
+  # With has_aux=True: the clipped gradient of the loss, aux as jax.grad gives it.
+  grads, aux = gl.clipped_grad(loss, l2_norm_clip=1e9, has_aux=True)(params, x)
+  expected, expected_aux = jax.grad(loss, has_aux=True)(params, x)
+  np.testing.assert_allclose(grads["w"], expected["w"], rtol=1e-5)
+  np.testing.assert_allclose(aux["h"], expected_aux["h"], rtol=1e-6)
+  assert gl.layer_coverage(loss, params, x, has_aux=True).uncovered == []
 
 
 def test_batch_norm_is_an_error_naming_the_parameter_and_the_op():
   loss, params, x = _batch_norm_loss()
-  with pytest.raises(ValueError, match=r"parameter 'bn.scale' .* mul .* mixes examples"):
+  # One short message: where the loss mixes examples, every parameter, the fix.
+  with pytest.raises(ValueError, match=r"clipped_grad: the function's output mixes "
+                     r"examples at sub .*\(2 parameters: 'bn.scale', 'w'\)\. Fix: run "
+                     r"batch norm in evaluation mode .* use LayerNorm or GroupNorm") as info:
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
+  assert len(str(info.value)) < 800
 
 
 def test_examples_mixed_after_the_last_use_is_an_error():
@@ -776,8 +816,8 @@ def test_examples_mixed_after_the_last_use_is_an_error():
     h = x @ p["w"]
     return jnp.mean(jnp.sum((h - jnp.mean(h, axis=0)) ** 2, axis=-1))
   params, x = {"w": _normal(1, 3, 2)}, _normal(2, B, 3, scale=1.0)
-  with pytest.raises(ValueError, match=r"clipped_grad: parameter 'w' .* dot_general .* the "
-                                       r"function's output mixes examples at sub"):
+  with pytest.raises(ValueError, match=r"clipped_grad: the function's output mixes "
+                     r"examples at sub .*\(1 parameter: 'w'\)"):
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
   assert gl.layer_coverage(loss, params, x).uncovered == ["w"]
 

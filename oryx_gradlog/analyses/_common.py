@@ -13,7 +13,8 @@ Sharp edges:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import contextlib
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 # `dot` (einsum at the highest precision) is the analyses' too.
@@ -31,6 +32,21 @@ def check_reduction(api: str, reduction: str) -> None:
         f"{api}(reduction={reduction!r}): reduction must be 'mean' (the loss is the "
         "mean of the per-example losses) or 'sum' (their sum). For another scaling c * "
         "sum_i l_i, use 'sum' and divide the results by c (norms) or c**2 (squares).")
+
+
+@contextlib.contextmanager
+def scalar_loss(api: str, has_aux: bool) -> Iterator[None]:
+  """Turns JAX's error for a loss that returns more than a scalar, inside the block,
+  into one that names `has_aux`, the usual cause."""
+  try:
+    yield
+  except TypeError as error:
+    if has_aux or "Gradient only defined for scalar-output functions" not in str(error):
+      raise
+    raise TypeError(
+        f"{api}: the loss returned more than a scalar. A loss that returns (loss, aux) "
+        "(metrics, updated batch statistics) needs has_aux=True, as for jax.grad: "
+        f"gl.{api}(loss, ..., has_aux=True). JAX's error is above.") from error
 
 
 def loss_scale(reduction: str, batch_size: int) -> float:

@@ -13,6 +13,12 @@ Sharp edges:
     the test matrix (README, "Versions") lists the sets that were tested.
   * tensorflow-probability and tfp-nightly install the same module; having both is
     named in the error, since either one can shadow the other.
+  * A module missing below Oryx (`tf_keras`, which tensorflow-probability wants
+    when TensorFlow was imported first) is named with its pip line instead: no set
+    of JAX and Oryx would fix it.
+  * With TensorFlow installed, importing Oryx imports TensorFlow too (the JAX
+    substrate of tensorflow-probability does, to copy docstrings; neither has a
+    switch): the first use of `oryx_gradlog` then takes seconds longer.
   * The probe reaps in the default float dtype, so with `jax_enable_x64` on (the
     `JAX_ENABLE_X64` variable, or `jax.config.update` before the import) it checks
     float64, which works on every supported set.
@@ -100,9 +106,46 @@ def _probe() -> None:
     raise RuntimeError(f"a scan of 3 steps reaped {shapes['x'].shape}, not (3,)")
 
 
+# The modules of the supported sets themselves: their absence is a set to install.
+_OWN_MODULES = ("jax", "jaxlib", "oryx", "tensorflow_probability")
+# Pip names of modules whose package is named otherwise.
+_PIP_NAMES = {"tf_keras": "tf-keras"}
+
+
+def missing_dependency(error: BaseException) -> str | None:
+  """The module whose absence caused `error` (in its cause chain), unless it is one
+  of JAX, Oryx or TensorFlow Probability themselves."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    name = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if name and name.split(".")[0] not in _OWN_MODULES:
+      return name
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def missing_dependency_message(module: str, error: BaseException) -> str:
+  """Which module is missing and the pip line, for a dependency of a dependency."""
+  top = module.split(".")[0]
+  pip = _PIP_NAMES.get(top, top.replace("_", "-"))
+  fix = f"Install it: pip install {pip}"
+  if top == "tf_keras":
+    fix = ("TensorFlow is installed and already imported, so tensorflow-probability "
+           "(which Oryx imports) checks for TF-Keras: import oryx_gradlog before "
+           "TensorFlow, uninstall TensorFlow if nothing needs it, or install TF-Keras "
+           f"(the release matching your TensorFlow): pip install {pip}")
+  return (f"oryx_gradlog could not import Oryx: the module `{module}`, which one of "
+          f"its dependencies imports, is missing ({type(error).__name__}: {error}). "
+          f"The installed JAX and Oryx are not the cause. {fix}")
+
+
 def check_supported(probe=_probe, installed=_version) -> None:
   """Raises `ImportError`, with the fix, unless Oryx's harvest works on this JAX."""
   try:
     probe()
   except Exception as error:  # pylint: disable=broad-except
+    module = missing_dependency(error)
+    if module is not None:
+      raise ImportError(missing_dependency_message(module, error)) from error
     raise ImportError(unsupported_message(error, installed)) from error

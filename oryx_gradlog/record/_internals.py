@@ -28,14 +28,19 @@ Sharp edges:
   * Nothing here patches JAX or Oryx: we register rules for our own primitives in
     JAX's registries, and reap rules in Oryx's `reap_custom_rules`, which is Oryx's
     extension point.
-  * Importing this module imports Oryx: `_compat.check_supported` runs first and
-    turns a JAX and Oryx pair that cannot work together into an `ImportError`.
+  * Importing this module imports Oryx: `_compat.check_supported` runs first (below)
+    and turns a JAX and Oryx pair that cannot work together into an `ImportError`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from oryx_gradlog.record import _compat
+
+_compat.check_supported()
+
+# pylint: disable=wrong-import-position
 import jax
 import jax.extend as jex
 from jax._src import core as _core

@@ -17,6 +17,8 @@ LAYER_NORM = "layer_norm"  # A layer norm's scale (and offset), marked by hand.
 ELEMENTWISE = "elementwise"  # An element-wise operation with a broadcast parameter.
 GENERIC = "generic"  # Any other operation: its vjp per example.
 UNSUPPORTED = "unsupported"  # A use that couples examples (the analyses raise).
+# The reason of every use when the loss itself mixes examples (batch norm in training).
+LOSS_MIXES_EXAMPLES = "the function's output mixes examples"
 
 # The kinds of found uses, in the order `gl.layer_coverage` lists them.
 FOUND_KINDS = (DENSE, CONV, EMBED, ELEMENTWISE, GENERIC, UNSUPPORTED)

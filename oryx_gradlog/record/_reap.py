@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.record import _flax_nnx, _sites
+from oryx_gradlog.record import _flax_nnx, _oryx_rules, _sites  # noqa: F401
 from oryx_gradlog.record._internals import harvest, take_current_trace
 from oryx_gradlog.record._record import VJPRecord
 from oryx_gradlog.record._sites import DEFAULT_TAG

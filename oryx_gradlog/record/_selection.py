@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from oryx_gradlog.record._canonical import LayerParams
 from oryx_gradlog.record._found import FoundUse
-from oryx_gradlog.record._kinds import NORM_KINDS, UNSUPPORTED
+from oryx_gradlog.record._kinds import LOSS_MIXES_EXAMPLES, NORM_KINDS, UNSUPPORTED
 from oryx_gradlog.record._layers import LayerInputs, WEIGHT_RANK
 from oryx_gradlog.record._marked import MarkedUse
 from oryx_gradlog.record._record import VJPRecord
@@ -197,6 +197,37 @@ def _marked_sources(api, uses: list[MarkedUse], params, where):
   return sources
 
 
+def _listed(names, most: int = 6) -> str:
+  names = sorted(names)
+  more = f" and {len(names) - most} more" if len(names) > most else ""
+  return ", ".join(repr(n) for n in names[:most]) + more
+
+
+def _unsupported_message(api: str, unsupported: dict[str, dict[str, str]]) -> str:
+  """One short message for the uses that have no per-example gradient, with the fix."""
+  coupled = [reason for reason in unsupported if reason.startswith(LOSS_MIXES_EXAMPLES)]
+  if coupled:  # Then no parameter is per example: the cause is one place in the loss.
+    everything = set().union(*unsupported.values())
+    return (
+        f"{api}: {coupled[0]} ({len(everything)} "
+        f"parameter{'s' * (len(everything) > 1)}: {_listed(everything)}). "
+        "Fix: run batch norm in evaluation mode (Flax NNX: model.eval() "
+        "or BatchNorm(use_running_average=True); linen: use_running_average=True), use "
+        "LayerNorm or GroupNorm instead, or compute the batch statistics outside the "
+        "loss and pass them in as a non-parameter argument. gl.layer_coverage lists "
+        "every parameter and how it is covered.")
+  problems = [f"{_listed(params)} ({', '.join(dict.fromkeys(params.values()))}): "
+              f"{reason}" for reason, params in unsupported.items()]
+  return (
+      f"{api}: these parameters have no per-example gradient: " + "; ".join(problems) +
+      ". Per-example gradients need each example's loss to depend on that example "
+      "alone: use layer or group norm instead of batch norm, and add weight decay in "
+      "the optimizer (optax.add_decayed_weights) rather than to the loss"
+      + ("" if api == "clipped_grad" else "; or pass names=[...] without these "
+         "parameters to analyse the others") +
+      ". gl.layer_coverage lists every parameter and how it is covered.")
+
+
 def _find(value, leaves, index):
   """The index of `value` among `leaves` if it is the same array or tracer (a
   `jit`-ted step hands the recorded weight through); values are never compared."""
@@ -269,16 +300,11 @@ def collect(api: str, records: dict[str, Any], names: Sequence[str] | None,
     for use in group:
       if isinstance(use, MarkedUse):
         use.check(api)
-  problems = [f"parameter {key!r} in record {use.name!r}: {use.spec.where} is not "
-              f"supported because {use.spec.reason}"
-              for key, group in chosen.items() for use in group if use.kind == UNSUPPORTED]
-  if problems:
-    raise ValueError(
-        f"{api}: " + "; ".join(dict.fromkeys(problems)) + ". Per-example gradients need "
-        "each example's loss to depend on that example alone: use layer or group norm "
-        "instead of batch norm, and add weight decay in the optimizer "
-        "(optax.add_decayed_weights) rather than to the loss"
-        + ("" if api == "clipped_grad" else "; or pass names=[...] without these "
-           "parameters to analyse the others") +
-        ". gl.layer_coverage lists every parameter and how it is covered.")
+  unsupported = {}  # reason: {parameter: where}
+  for key, group in chosen.items():
+    for use in group:
+      if use.kind == UNSUPPORTED:
+        unsupported.setdefault(use.spec.reason, {}).setdefault(key, use.spec.where)
+  if unsupported:
+    raise ValueError(_unsupported_message(api, unsupported))
   return Selection({key: tuple(group) for key, group in chosen.items()})

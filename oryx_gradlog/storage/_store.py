@@ -698,6 +698,39 @@ def _committed_of(root) -> int:
   return int(root.attrs.get("committed_steps", 0))
 
 
+def find_runs(folder: str | os.PathLike) -> list[str]:
+  """The run folders (folders holding a `log.zarr`) in and below `folder`, sorted."""
+  runs = []
+  for parent, children, _ in os.walk(os.fspath(folder)):
+    if STORE_NAME in children:
+      runs.append(parent)
+    # Not into stores, nor into what report and export_tensorboard write.
+    children[:] = [c for c in children if c not in (STORE_NAME, "report", "tensorboard")]
+  return sorted(runs)
+
+
+def run_folder(run_dir: str | os.PathLike, api: str) -> str:
+  """The run folder of `run_dir`: itself, or its parent when given its `log.zarr`.
+
+  Raises:
+    FileNotFoundError: `run_dir` holds no run, naming the runs below it if any.
+  """
+  run_dir = os.fspath(run_dir)
+  if os.path.basename(os.path.normpath(run_dir)) == STORE_NAME and os.path.isdir(run_dir):
+    return os.path.dirname(os.path.normpath(run_dir)) or "."
+  path = os.path.join(run_dir, STORE_NAME)
+  if os.path.isdir(path):
+    return run_dir
+  runs = find_runs(run_dir) if os.path.isdir(run_dir) else []
+  if runs:
+    listed = ", ".join(repr(r) for r in runs[:10]) + (", ..." if len(runs) > 10 else "")
+    raise FileNotFoundError(
+        f"{api}({run_dir!r}): this folder holds {len(runs)} runs, not one ({listed}). "
+        f"Pass one of them; `python -m oryx_gradlog report {run_dir}` reports each.")
+  raise FileNotFoundError(f"{api}({run_dir!r}): no run here ({path} is missing). Pass "
+                          "the run_dir given to RunLog (the folder that holds log.zarr).")
+
+
 def open_run(run_dir: str | os.PathLike):
   """Opens a run as an `xarray.Dataset` of its committed steps, with its metadata.
 
@@ -706,8 +739,10 @@ def open_run(run_dir: str | os.PathLike):
   to `append`) and the dims given to `RunLog`; `attrs` holds `config`, `versions`,
   `committed_steps` and `dropped_steps`.
 
+  `run_dir` is the folder given to `RunLog`, or the `log.zarr` store in it.
+
   Raises:
-    FileNotFoundError: `run_dir` holds no run.
+    FileNotFoundError: `run_dir` holds no run (the error names the runs below it).
     ValueError: the run has no committed step yet (a live run before its first
       write).
 
@@ -722,10 +757,7 @@ def open_run(run_dir: str | os.PathLike):
     (array([0.5 , 0.25], dtype=float32), [0, 10], 2)
   """
   xarray = _require("xarray", "open_run")
-  path = os.path.join(os.fspath(run_dir), STORE_NAME)
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"open_run({os.fspath(run_dir)!r}): no run here ({path} is "
-                            "missing). Pass the run_dir given to RunLog.")
+  path = os.path.join(run_folder(run_dir, "open_run"), STORE_NAME)
   zarr = _require("zarr", "open_run")
   root = zarr.open_group(store=path, mode="r")
   committed = _committed_of(root)

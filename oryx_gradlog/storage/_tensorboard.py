@@ -24,6 +24,9 @@ Sharp edges:
     histogram at the steps that read it. TensorBoard has no 2-D histogram:
     `grad_hist_2d` is in the dashboard (and the store) only.
   * A run with nothing numeric to export is a `ValueError`, not an empty file.
+  * One event file per run: an export replaces the file an earlier export wrote
+    (named `events.out.tfevents.*.oryx_gradlog`) once the new one is written, and
+    leaves other event files in `logdir` alone.
   * Tags are the run's names as they are: tensorboardX's `SummaryWriter` would
     replace characters such as `%`, `\\` and spaces, so summaries go through its
     `FileWriter` with the tags kept.
@@ -32,11 +35,16 @@ Sharp edges:
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
 from oryx_gradlog.storage._report import _STATS, INSTRUMENTS, _reduce, series_names, summary_groups
-from oryx_gradlog.storage._store import _require, open_run
+from oryx_gradlog.storage._store import _require, open_run, run_folder
+
+# The suffix of the event files we write: a re-export replaces ours, and only ours.
+_SUFFIX = ".oryx_gradlog"
 
 
 def export_tensorboard(run_dir: str | os.PathLike, logdir: str | os.PathLike | None = None
@@ -62,6 +70,7 @@ def export_tensorboard(run_dir: str | os.PathLike, logdir: str | os.PathLike | N
     'tensorboard'
   """
   tensorboardx = _require("tensorboardX", "export_tensorboard")
+  run_dir = run_folder(run_dir, "export_tensorboard")
   dataset = open_run(run_dir)
   groups = summary_groups(dataset.data_vars)
   instruments = sorted(str(name) for name in dataset.data_vars
@@ -77,17 +86,28 @@ def export_tensorboard(run_dir: str | os.PathLike, logdir: str | os.PathLike | N
   histograms = [name[:-len(".counts")] for name in instruments
                 if name.endswith(".counts") and name[:-len(".counts")] + ".edges" in dataset]
   parts = {f"{h}.{part}" for h in histograms for part in ("counts", "edges")}
-  writer = _Writer(tensorboardx, logdir)
+  # Written aside, then moved in: an export that fails leaves the earlier one whole.
+  os.makedirs(logdir, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=".export-", dir=logdir)
   try:
-    for group in groups:
-      _write_summary(writer, dataset, group, steps)
-    for name in histograms:
-      _write_counts(writer, dataset, name, steps)
-    for name in instruments + series:
-      if name not in parts and not _is_2d_histogram(dataset, name):
-        _write_series(writer, dataset[name], steps, skip_nan=name in instruments)
+    writer = _Writer(tensorboardx, staging)
+    try:
+      for group in groups:
+        _write_summary(writer, dataset, group, steps)
+      for name in histograms:
+        _write_counts(writer, dataset, name, steps)
+      for name in instruments + series:
+        if name not in parts and not _is_2d_histogram(dataset, name):
+          _write_series(writer, dataset[name], steps, skip_nan=name in instruments)
+    finally:
+      writer.close()
+    (written,) = os.listdir(staging)
+    for name in os.listdir(logdir):  # TensorBoard would show an earlier export's too.
+      if name.startswith("events.out.tfevents.") and name.endswith(_SUFFIX):
+        os.remove(os.path.join(logdir, name))
+    os.replace(os.path.join(staging, written), os.path.join(logdir, written))
   finally:
-    writer.close()
+    shutil.rmtree(staging, ignore_errors=True)
   return logdir
 
 
@@ -98,7 +118,7 @@ class _Writer:
 
   def __init__(self, tensorboardx, logdir: str):
     self._summary = tensorboardx.summary
-    self._file = tensorboardx.FileWriter(logdir)
+    self._file = tensorboardx.FileWriter(logdir, filename_suffix=_SUFFIX)
 
   def _add(self, summary, tag: str, step: int) -> None:
     for value in summary.value:

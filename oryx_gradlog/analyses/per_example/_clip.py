@@ -241,7 +241,8 @@ def clipped_grad(
 
   @functools.wraps(fun)
   def clipped(*args, **kwargs):
-    out, records = grad(*args, **kwargs)
+    with _common.scalar_loss(api, has_aux):
+      out, records = grad(*args, **kwargs)
     if not records:
       raise ValueError(
           f"{api}: no parameter of argnums={argnums} meets the batch in the function, "

@@ -180,7 +180,8 @@ def layer_coverage(
   rows: dict[str, dict[str, Any]] = {}
 
   def measure(*args, **kwargs):
-    records = grad(*args, **kwargs)
+    with _common.scalar_loss(api, has_aux):
+      records = grad(*args, **kwargs)
     uses: dict[str, list[FoundUse]] = {}
     for name, record in records.items():
       use = FoundUse.of(name, record)

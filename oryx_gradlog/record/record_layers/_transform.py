@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from oryx_gradlog.record import _internals
-from oryx_gradlog.record._kinds import UNSUPPORTED
+from oryx_gradlog.record._kinds import LOSS_MIXES_EXAMPLES, UNSUPPORTED
 from oryx_gradlog.record._sites import DEFAULT_TAG
 from oryx_gradlog.record.record_layers._emit import _Emitter
 from oryx_gradlog.record.record_layers._signature import Signature, Traced
@@ -64,7 +64,7 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
     for use in analysis.uses.values():
       if use.kind != UNSUPPORTED:
         use.kind = UNSUPPORTED
-        use.reason = (f"the function's output mixes examples at {analysis.coupling} (a "
+        use.reason = (f"{LOSS_MIXES_EXAMPLES} at {analysis.coupling} (a "
                       "value reduced over the batch is used per example again, as batch "
                       "norm does in training), so no parameter has a per-example "
                       "gradient")
@@ -72,7 +72,7 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
   params = tuple((n, tuple(v.aval.shape), v.aval.dtype)
                  for n, k, v in zip(dynamic_names, dynamic_kinds, closed.jaxpr.invars)
                  if k == "param")
-  traced = Traced(closed, analysis, _name_uses(analysis, signature.tree),
+  traced = Traced(closed, analysis, _name_uses(analysis, signature.tree, dynamic_names),
                   jax.tree.structure(out_shape), params, signature.batch_size)
   if cache is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
     cache[key] = traced
@@ -123,11 +123,12 @@ def _check_complete(api, jaxpr, analysis: _Analysis, arg_kinds, names) -> None:
         "e.g. optax.add_decayed_weights), or pass argnums without them.")
 
 
-def _name_uses(analysis: _Analysis, tree: ParamTree) -> dict[tuple, UseSpec]:
+def _name_uses(analysis: _Analysis, tree: ParamTree, names) -> dict[tuple, UseSpec]:
   counts: dict[str, int] = {}
   specs = {}
   for path, use in sorted(analysis.uses.items()):
-    paths = use.paths()
+    # A use with no lineage (a parameter carried through a loop) by its leaves' names.
+    paths = use.paths() or tuple(sorted(names[i] for i in use.leaves))
     base = "+".join(paths) if len(paths) <= 2 else f"{paths[0]}+{len(paths) - 1}_more"
     base = base or "constant"
     counts[base] = counts.get(base, 0) + 1
@@ -173,7 +174,9 @@ def record_layers(
     tag: the Oryx tag of the records.
 
   Returns:
-    A function with `fun`'s signature that returns what `fun` returns.
+    A function with `fun`'s signature that returns what `fun` returns: a loss that
+    returns `(loss, aux)` is differentiated with `jax.grad(..., has_aux=True)`, as
+    without `record_layers`.
 
   Example:
     >>> import jax, jax.numpy as jnp, oryx_gradlog as gl

@@ -355,7 +355,12 @@ def _scan(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
   body1, body2 = params["jaxpr"].jaxpr, eqn2.params["jaxpr"].jaxpr
   n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
   consts = [_cross(i, Step("tied", length=length)) for i in ins[:n_consts]]
-  carry = [dataclasses.replace(i, lineage=None) for i in ins[n_consts:n_consts + n_carry]]
+  # A carry the body passes on unchanged (as Flax NNX 0.10's `nnx.RNN` carries its
+  # cell's parameters) is a constant of the loop, and keeps its lineage as one.
+  invariant = [body1.outvars[k] is body1.invars[n_consts + k] for k in range(n_carry)]
+  carry = [_cross(i, Step("tied", length=length)) if same
+           else dataclasses.replace(i, lineage=None)
+           for i, same in zip(ins[n_consts:n_consts + n_carry], invariant)]
   xs = [_cross(i, Step("stacked", in_shape=tuple(v.aval.shape), length=length))
         for i, v in zip(ins[n_consts + n_carry:], eqn.invars[n_consts + n_carry:])]
 
@@ -369,8 +374,8 @@ def _scan(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
       del analysis.uses[stale]  # Found with an earlier guess of the carry's classes.
     outs = analysis.run(body1, body2, body_infos(consts + carry + xs), path,
                         calls + ((path, length),))
-    new = [dataclasses.replace(_join([c, o]), lineage=None)
-           for c, o in zip(carry, outs[:n_carry])]
+    new = [c if same else dataclasses.replace(_join([c, o]), lineage=None)
+           for c, o, same in zip(carry, outs[:n_carry], invariant)]
     if [(n.params, n.data, n.coupled) for n in new] == [
         (c.params, c.data, c.coupled) for c in carry]:
       break
