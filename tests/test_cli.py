@@ -60,6 +60,13 @@ def test_a_folder_of_runs_is_named_by_the_api_and_reported_each_by_the_cli(tmp_p
   assert result.stdout.split() == [str(tmp_path / "board" / "a"), str(tmp_path / "board" / "b")]
 
 
+def test_the_report_of_a_store_path_goes_beside_the_store(tmp_path):
+  run_dir = _run(tmp_path / "run")
+  result = _cli("report", os.path.join(run_dir, "log.zarr"))
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == os.path.join(run_dir, "report", "index.html")
+
+
 def test_an_empty_folder_says_no_run_here(tmp_path):
   result = _cli("report", tmp_path)
   assert result.returncode == 2 and "no run here" in result.stderr

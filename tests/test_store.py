@@ -287,16 +287,20 @@ def test_report_writes_images_and_a_page_naming_every_record(tmp_path):
   page = gl.report(_summary_run(tmp_path), progress=False)
   folder = os.path.dirname(page)
   images = sorted(name for name in os.listdir(folder) if name.endswith(".png"))
-  assert {"norms.png", "nonfinite.png", "per_example.png"} <= set(images)
+  assert {"norms.png", "per_example.png"} <= set(images)
   assert any(name.endswith(".histogram.png") for name in images)
   for name in images:
     pixels = matplotlib_image.imread(os.path.join(folder, name))
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.std() > 0
   html = pathlib.Path(page).read_text(encoding="utf-8")
-  for record in ("dense", "h"):
+  for record in ("dense[0]", "dense[1]", "h"):
     assert record in html
+  # Each figure drawn for a desktop (the image) and a phone (the narrow screens' source).
   for name in images:
-    assert f"src='{name}'" in html
+    assert (f"srcset='{name}'" if name.endswith(".phone.png") else f"src='{name}'") in html
+  # No NaN or inf anywhere: said in a sentence, not drawn as a flat line.
+  assert "nonfinite.png" not in images
+  assert "Non-finite cotangent entries: none in dense[0], dense[1], h" in html
 
 
 def test_command_line_report_and_error(tmp_path, capsys):
@@ -509,9 +513,10 @@ def test_report_plots_every_series_under_its_key(tmp_path):
   appended = _keyed_run(tmp_path)
   page = gl.report(tmp_path, progress=False)
   images, cells = _report_images(page)
-  # The summaries as before, the record's histogram in one file despite its "/".
-  assert {"norms.png", "per_example.png", "nonfinite.png",
-          "summaries%252Fh.summary.histogram.png", "series_1.png"} <= set(images)
+  # The loss first, the other scalars, the summaries (the record's histogram in one
+  # file despite its "/"), then the other arrays.
+  assert images == ["scalar.loss.png", "scalars_1.png", "norms.png",
+                    "summaries%252Fh.summary.histogram.png", "per_example.png", "arrays_1.png"]
   # The scalar series, by key, with their last values.
   for name in ("loss", "opt/lr", "grads\\fc2", "100%"):
     assert float(cells[cells.index(name) + 1]) == pytest.approx(float(appended[-1][name]), rel=1e-3), name
@@ -527,7 +532,9 @@ def test_report_of_a_run_without_summaries(tmp_path):
                         **{f"extra{i}": np.float32(i * step) for i in range(12)}})
   page = gl.report(tmp_path, progress=False)
   images, cells = _report_images(page)
-  assert images == ["series_1.png", "series_2.png"]  # 15 panels, 12 to an image.
+  # The loss in a figure of its own; 13 other scalars, 6 to an image; the array.
+  assert images == ["scalar.loss.png", "scalars_1.png", "scalars_2.png", "scalars_3.png",
+                    "arrays_1.png"]
   assert cells[cells.index("loss") + 1] == f"{np.exp(-39 / 10):.4g}"
   with gl.RunLog(tmp_path / "complex") as log:
     log.append(0, {"z": np.complex64(1 + 2j)})
@@ -560,5 +567,5 @@ def test_report_images_load_in_a_headless_browser(tmp_path):
   lines = result.stdout.split("<pre id=\"result\">")[-1].split("</pre>")[0].splitlines()
   widths = dict(line.rsplit(" ", 1) for line in lines)
   images, _ = _report_images(page)
-  assert set(widths) == set(images) and len(images) == 5, result.stdout[-2000:]
+  assert set(widths) == set(images) and len(images) == 6, result.stdout[-2000:]
   assert all(int(width) > 0 for width in widths.values()), widths  # Each one decoded.
