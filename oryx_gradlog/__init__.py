@@ -16,6 +16,7 @@ Sharp edges:
     at that first use.
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # Type checkers and IDEs see every public name.
@@ -42,12 +43,15 @@ __all__ = (
     "LayerParams",
     "LayerUse",
     "Logged",
+    "LossSpike",
     "MovingAverage",
     "NoiseScale",
     "NonFiniteReport",
     "ParamCoverage",
     "PerExampleNorms",
     "PoissonBatch",
+    "ProjectedGrads",
+    "Projector",
     "RunLog",
     "RunningStats",
     "Schedule",
@@ -69,6 +73,7 @@ __all__ = (
     "export_tensorboard",
     "find_nonfinite",
     "fit_influence",
+    "fit_projector",
     "gradient_histograms",
     "gradient_noise_scale",
     "gradient_snr",
@@ -82,12 +87,14 @@ __all__ = (
     "lds",
     "linear_schedule",
     "logarithmic_schedule",
+    "loss_spikes",
     "magnitude_bins",
     "moving_average",
     "open_run",
     "per_example_clip",
     "per_example_norms",
     "poisson_batch",
+    "projected_grads",
     "raise_if_nonfinite",
     "reap",
     "record_layers",
@@ -99,6 +106,8 @@ __all__ = (
     "summarize",
     "tap",
     "to_param_tree",
+    "tracin",
+    "tracin_self_influence",
     "training_instruments",
     "update_size",
 )
@@ -112,11 +121,13 @@ _RENAMED = {
 
 
 def __getattr__(name: str):
-  """Loads the whole public API on the first use of any of its names."""
-  if name in __all__:
-    from oryx_gradlog import _api  # pylint: disable=import-outside-toplevel
-    globals().update((n, getattr(_api, n)) for n in __all__)
-    return globals()[name]
+  """Loads the whole public API on the first use of any of its names (or of a
+  subpackage: `gl.analyses`, which the API's imports make attributes)."""
+  if not name.startswith("_") and name not in _RENAMED:
+    api = importlib.import_module("oryx_gradlog._api")
+    globals().update((n, getattr(api, n)) for n in __all__)
+    if name in globals():
+      return globals()[name]
   if name in _RENAMED:
     raise AttributeError(f"oryx_gradlog.{name} was renamed: use gl.{_RENAMED[name]}.")
   raise AttributeError(f"module 'oryx_gradlog' has no attribute {name!r}")

@@ -32,6 +32,18 @@ from oryx_gradlog.analyses.instruments._cockpit import (
     training_instruments,
 )
 from oryx_gradlog.analyses.attribution._lds import lds
+from oryx_gradlog.analyses.attribution._projection import (
+    ProjectedGrads,
+    Projector,
+    fit_projector,
+    projected_grads,
+)
+from oryx_gradlog.analyses.attribution._tracin import (
+    LossSpike,
+    loss_spikes,
+    tracin,
+    tracin_self_influence,
+)
 from oryx_gradlog.analyses.attribution._influence import (
     Influence,
     InfluenceFactors,

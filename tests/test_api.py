@@ -31,7 +31,10 @@ def test_all_is_the_documented_api():
       "LayerCoverage", "LayerUse", "ParamCoverage", "UseCoverage", "clipped_grad",
       "layer_coverage", "record_layers",
       # Training-data attribution (issue 25).
-      "Influence", "InfluenceFactors", "fit_influence", "lds"])
+      "Influence", "InfluenceFactors", "fit_influence", "lds",
+      # From the training run itself (issue 26).
+      "ProjectedGrads", "Projector", "fit_projector", "projected_grads", "LossSpike",
+      "loss_spikes", "tracin", "tracin_self_influence"])
   assert gl.DEFAULT_TAG == "vjp"
   assert list(gl.__all__) == sorted(gl.__all__)
 

@@ -158,8 +158,9 @@ def test_damping_given_and_hand_marked_layers_give_the_same_scores():
 # Positions: a dense layer over tokens, and a convolution over pixels.
 
 
-@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
-def test_dense_over_positions_and_a_convolution(strategy):
+def _conv_model():
+  """A convolution with a bias, then a dense layer over its 20 pixels: the model, and
+  `blocks(x)`, its per-block reference quantities (as `_mlp_blocks`)."""
   params = {"k": _normal(1, 3, 3, 2, 3), "kb": _normal(2, 3), "w": _normal(3, 3, 2)}
   x = _normal(4, N + Q, 5, 4, 2, scale=1.0)
   options = dict(window_strides=(1, 1), padding="SAME",
@@ -194,6 +195,12 @@ def test_dense_over_positions_and_a_convolution(strategy):
     return [("kron", a1, g1.reshape(n, 20, 3), full1),
             ("kron", h, g2.reshape(n, 20, 2), grads["w"])]
 
+  return params, x, loss, blocks
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_dense_over_positions_and_a_convolution(strategy):
+  params, x, loss, blocks = _conv_model()
   train, query = _batches(x[:N]), _batches(x[N:], size=Q)
   influence = gl.fit_influence(loss, params, train, strategy=strategy)
   got = influence.scores(query, train)

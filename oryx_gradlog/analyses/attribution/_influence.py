@@ -62,19 +62,19 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from oryx_gradlog.analyses import _common
-from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED
-from oryx_gradlog.record._kinds import NORM_KINDS
-from oryx_gradlog.record._selection import Selection, collect
+from oryx_gradlog.analyses.attribution._blocks import (
+    DIAGONAL, Gradients, Layout, block_arrays, factor_sums)
+from oryx_gradlog.analyses.attribution._projection import Projector, project
+from oryx_gradlog.record._kinds import EMBED
 
 STRATEGIES = ("identity", "kfac", "ekfac")
-_TAG = "gradlog_influence"
 _DAMPING_FACTOR = 0.1  # Kronfluence's `damping_factor=None`: 0.1 x the mean eigenvalue.
 
 
@@ -124,7 +124,8 @@ class DiagonalBlock:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["strategy"])
+    jax.tree_util.register_dataclass, data_fields=["blocks", "projection"],
+    meta_fields=["strategy"])
 @dataclasses.dataclass(frozen=True)
 class InfluenceFactors:
   """The fitted curvature, a frozen pytree of arrays (save and load it as any).
@@ -133,10 +134,13 @@ class InfluenceFactors:
     blocks: per block name (its weight's parameter path), a `KroneckerBlock` or a
       `DiagonalBlock`.
     strategy: `"identity"`, `"kfac"` or `"ekfac"`.
+    projection: the `Projector` whose projected gradients the blocks are of
+      (LoGra), or `None`.
   """
 
   blocks: dict[str, Any]
   strategy: str
+  projection: Projector | None = None
 
 
 def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
@@ -167,119 +171,26 @@ def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
         "and keep terms of the parameters alone (weight decay) out of it.")
 
 
-class _Gradients:
-  """The layer records of one function's backward pass, from `gl.record_layers`
-  under a tag of its own (internal)."""
-
-  def __init__(self, api: str, fun: Callable, argnums: int, batch_argnums):
-    from oryx_gradlog.record._reap import call_and_reap  # pylint: disable=g-import-not-at-top
-    from oryx_gradlog.record.record_layers import recorder  # pylint: disable=g-import-not-at-top
-    self.api = api
-    recorded = recorder(fun, argnums=argnums, batch_argnums=batch_argnums, tag=_TAG,
-                        api=api)
-    self.reaped = call_and_reap(jax.grad(recorded, argnums=argnums), tag=_TAG)
-    self.argnums = argnums
-
-  def records(self, params, batch):
-    args = list(batch)
-    args.insert(self.argnums, params)
-    _, records = self.reaped(*args)
-    if not records:
-      raise ValueError(
-          f"{self.api}: no parameter of argnums={self.argnums} meets the batch in the "
-          "loss, so no example has a gradient. Check argnums and batch_argnums.")
-    return records
-
-
-def block_layout(selection: Selection) -> tuple[dict, dict]:
-  """The blocks of one selection: `{key: (LayerView, bias key or None)}` for the
-  Kronecker blocks (a dense, convolution or embedding use, the only use of its
-  parameter, of a view of it), `{key: None}` for the diagonal ones (every other
-  parameter)."""
-  by_position = {}
-  for use in selection.uses:
-    spec = getattr(use, "spec", None)
-    if spec is not None:
-      by_position[spec.position] = use
-  kronecker, diagonal, taken = {}, {}, set()
-  single = lambda key: len(selection.groups.get(key, ())) == 1
-  biases = {}
-  for use in selection.uses:
-    spec = getattr(use, "spec", None)
-    if (spec is not None and use.kind == ELEMENTWISE and spec.shifts in by_position
-        and single(use.keys[0]) and len(use.keys) == 1):
-      biases[spec.shifts] = use.keys[0]
-  for use in selection.uses:
-    if use.kind not in (DENSE, CONV, EMBED) or len(use.keys) != 1 or not single(use.keys[0]):
-      continue
-    view = use.view()  # None for an operand that is not a view of its leaf (LoRA's).
-    if view is None:
-      continue
-    spec = getattr(use, "spec", None)
-    bias = biases.get(spec.position) if spec is not None and use.kind != EMBED else None
-    if bias is not None and selection.groups[bias][0].tied_calls != use.tied_calls:
-      bias = None  # A bias shared by calls whose weights are not (or the other way).
-    kronecker[use.keys[0]] = (view, bias)
-    taken.update(use.keys if bias is None else (*use.keys, bias))
-  for key in selection.groups:
-    if key not in taken:
-      diagonal[key] = None
-  return kronecker, diagonal
-
-
-def _view_arrays(view, bias: str | None, scale: float):
-  """`x` `(S, B, T, i(+1))`, `g` `(S, B, T, o)` of the per-example losses."""
-  x, g = view.x, scale * view.g
-  if bias is not None or view.bias_g is not None:
-    x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
-  return x, g
-
-
-KRONECKER, DIAGONAL = "kronecker", "diagonal"
-
-
-class _Layout(NamedTuple):
-  """A block's static description: its kind (`KRONECKER`, `EMBED` or `DIAGONAL`),
-  its layer's bias (a parameter path) and an embedding's vocabulary."""
-
-  kind: str
-  bias: str | None = None
-  vocabulary: int = 0
-
-
 class _Pass:
   """What one batch gives each block (internal): `arrays` is jitted; the blocks'
-  layout (static) is kept in `layout` when it is traced."""
+  layout (static) is kept in `layout` when it is traced. With a `Projector`, the
+  blocks are those of the projected gradients."""
 
-  def __init__(self, gradients: _Gradients, api: str):
-    self.gradients, self.api = gradients, api
-    self.layout: dict[str, _Layout] = {}
+  def __init__(self, gradients: Gradients, api: str, projection: Projector | None = None):
+    self.gradients, self.api, self.projection = gradients, api, projection
+    self.layout: dict[str, Layout] = {}
 
   def arrays(self, params, batch) -> dict[str, Any]:
     """Per block: Kronecker `(x, g)`, diagonal `(B, n)` per-example gradients, of
     the per-example losses."""
     records = self.gradients.records(params, batch)
-    selection = collect(self.api, records, None, NORM_KINDS)
-    scale = float(_common.one_batch_size(self.api, selection.batch_sizes))
-    kronecker, diagonal = block_layout(selection)
-    out, layout = {}, {}
-    for key, (view, bias) in kronecker.items():
-      if view.kind == EMBED:  # ids `(S, B, T)` and `g`.
-        layout[key] = _Layout(EMBED, None, view.vocabulary)
-        out[key] = (view.x, scale * view.g)
-      else:
-        layout[key] = _Layout(KRONECKER, bias)
-        out[key] = _view_arrays(view, bias, scale)
-    for key in diagonal:
-      grad = selection.per_example(key)
-      leaves = [v for v in (grad.w, grad.b) if v is not None]
-      layout[key] = _Layout(DIAGONAL)
-      out[key] = scale * jnp.concatenate([v.reshape(v.shape[0], -1) for v in leaves], 1)
-    self.layout = layout
+    out, self.layout = block_arrays(self.api, records)
+    if self.projection is not None:
+      out, self.layout = project(self.api, self.projection, out, self.layout)
     return out
 
 
-def _rotated(block: KroneckerBlock, layout: _Layout, value, rotate: bool = True):
+def _rotated(block: KroneckerBlock, layout: Layout, value, rotate: bool = True):
   """`(S, B, i, o)`: each example's gradient `sum_t a_t g_t^T` in the block's
   eigenbasis (as it is, with `rotate=False`); an embedding's `a_t` is the one-hot
   of its id, so its rows are scattered into the vocabulary."""
@@ -293,21 +204,6 @@ def _rotated(block: KroneckerBlock, layout: _Layout, value, rotate: bool = True)
   if rotate:
     x = _common.dot("sbti,sij->sbtj", x, block.q_a.astype(x.dtype))
   return _common.dot("sbti,sbto->sbio", x, g)
-
-
-def _factor_sums(layout: _Layout, value) -> list:
-  """One batch's sums for a block: `[A, S, positions]` (an embedding's `A` as the
-  `(S, V)` counts of its ids), or a diagonal block's `[sum of squares, examples]`."""
-  if layout.kind == DIAGONAL:
-    return [np.asarray(jnp.sum(value * value, axis=0), np.float64), value.shape[0]]
-  x, g = value
-  if layout.kind == EMBED:
-    count = lambda ids: jnp.zeros(layout.vocabulary, g.dtype).at[ids.ravel()].add(1)
-    a = jax.vmap(count)(x)
-  else:
-    a = _common.dot("sbti,sbtj->sij", x, x)
-  s = _common.dot("sbto,sbtp->sop", g, g)
-  return [np.asarray(a, np.float64), np.asarray(s, np.float64), g.shape[1] * g.shape[2]]
 
 
 def fit_influence(
@@ -334,7 +230,8 @@ def fit_influence(
       `"ekfac"`, which reads it twice), all of one batch size.
     strategy: `"identity"`, `"kfac"` or `"ekfac"`.
     damping: added to every eigenvalue; `None` for 0.1 x each block's mean.
-    projection: not yet supported (`None`).
+    projection: a `gl.Projector` (LoGra): the blocks are fitted, and examples
+      scored, in its projected space; `None` for the whole gradients.
     argnums: the positional argument holding the parameters.
     batch_argnums: the arguments holding the batch (default: all others).
     progress: print each pass's progress to stderr (default: when stderr is a
@@ -358,9 +255,9 @@ def fit_influence(
   if strategy not in STRATEGIES:
     raise ValueError(f"{api}(strategy={strategy!r}): strategy must be one of "
                      f"{STRATEGIES} (plain gradient products, K-FAC, EK-FAC).")
-  if projection is not None:
-    raise NotImplementedError(
-        f"{api}(projection=...): projected gradients are not supported yet; pass None.")
+  if projection is not None and not isinstance(projection, Projector):
+    raise TypeError(f"{api}(projection={type(projection).__name__}): pass a "
+                    "gl.Projector (from gl.fit_projector) or None.")
   if not isinstance(argnums, int):
     raise TypeError(f"{api}(argnums={argnums!r}): one positional argument holds the "
                     "parameters (an int); gather several into one tree.")
@@ -370,7 +267,7 @@ def fit_influence(
   if strategy == "ekfac" and iter(batches) is batches:
     raise TypeError(f"{api}: `batches` is an iterator, which EK-FAC would exhaust in "
                     "its first pass; pass a list (or another re-iterable) of batches.")
-  passes = _Pass(_Gradients(api, loss, argnums, batch_argnums), api)
+  passes = _Pass(Gradients(api, loss, argnums, batch_argnums), api, projection)
   arrays = jax.jit(passes.arrays)
   sizes: list[int] = []
 
@@ -402,11 +299,11 @@ def fit_influence(
   # Pass 1: the Kronecker factors (sums over examples x positions) and the
   # diagonal blocks' sums of squares.
   sums: dict[str, list] = {}
-  layouts: dict[str, _Layout] = {}
+  layouts: dict[str, Layout] = {}
   for out in each(check_first=True):
     for key, value in out.items():
       layouts[key] = passes.layout[key]
-      parts = _factor_sums(layouts[key], value)
+      parts = factor_sums(layouts[key], value)
       sums[key] = parts if key not in sums else [u + v for u, v in zip(sums[key], parts)]
   if not sums:
     raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
@@ -461,7 +358,7 @@ def fit_influence(
         block, eigenvalues=jnp.asarray(eig), damping=jnp.asarray(damp),
         **({"q_a": device(block.q_a), "q_s": device(block.q_s)}
            if isinstance(block, KroneckerBlock) else {}))
-  factors = InfluenceFactors(finished, strategy)
+  factors = InfluenceFactors(finished, strategy, projection)
   return Influence(loss, params, factors, argnums=argnums, batch_argnums=batch_argnums)
 
 
@@ -506,7 +403,8 @@ class Influence:
     return self._jitted[key]
 
   def _make_gradients(self, fun: Callable, api: str):
-    passes = _Pass(_Gradients(api, fun, self.argnums, self.batch_argnums), api)
+    passes = _Pass(Gradients(api, fun, self.argnums, self.batch_argnums), api,
+                   self.factors.projection)
 
     def gradients(factors, params, batch):
       out = {}
@@ -620,7 +518,7 @@ class Influence:
     return order[:, :k], np.argsort(scores, axis=1, kind="stable")[:, :k]
 
 
-def _shape(value, layout: _Layout | None = None) -> tuple:
+def _shape(value, layout: Layout | None = None) -> tuple:
   """A block's `(S, d_in, d_out)` or `(size,)`, from its factors or from one batch's
   arrays (with their `layout`)."""
   if isinstance(value, (KroneckerBlock, DiagonalBlock)):

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 
 from oryx_gradlog.analyses import _common
-from oryx_gradlog.analyses.attribution._influence import block_layout
+from oryx_gradlog.analyses.attribution._blocks import block_layout
 from oryx_gradlog.record import record_layers as _record_layers
 from oryx_gradlog.record._found import FoundUse
 from oryx_gradlog.record._kinds import UNSUPPORTED

@@ -1,0 +1,231 @@
+"""Attribution from a training run's own log: TracIn and the examples behind a loss
+spike, from the projected per-example gradients (`gl.projected_grads`) that each
+step logged, without running the model again.
+
+A run for these logs, at every step (names are the defaults of the arguments):
+
+* `"train"`: the step's `ProjectedGrads` of its batch (before the update);
+* `"ids"`: `(B,)` integer ids of the batch's training examples;
+* `"lr"`: the learning rate the step's update used;
+* `"loss"`: the batch loss (for `loss_spikes`);
+* `"query"`: for `tracin`, the `ProjectedGrads` of a fixed set of query examples at
+  the same parameters.
+
+`tracin` is TracIn-CP (Pruthi et al. 2020) over the logged steps:
+`score(q, z) = sum_t lr_t <g_t(q), g_t(z)>` over the steps `t` whose batch held `z`
+(the first-order change of q's loss that training on z caused, with the sign that
+makes a helpful example positive). `tracin_self_influence` is `sum_t lr_t |g_t(z)|^2`
+(large for examples the model keeps fighting: often mislabelled ones).
+
+`loss_spikes` finds the logged steps whose loss rose most above the median of the
+steps before, and for each splits the rise among the previous step's examples: example `i` of batch
+`t - 1` contributes `-lr_{t-1} / B <g_{t-1}(i), mean_j g_t(j)>`, its share of the
+first-order change that the update of step `t - 1` (plain gradient descent) made to
+the loss of batch `t`. A rise that this does not explain (`LossSpike.explained`
+well below `LossSpike.rise`) is batch `t`'s own: a batch of unusual or mislabelled
+examples has a high loss before any update (and the next step's rise is then its
+update's).
+
+Sharp edges:
+  * Inner products are of the projected gradients (LoGra): with `k x k` per layer
+    they approximate the whole gradients' (exact where every side is at most `k`).
+  * The contributions to a spike assume an SGD update `-lr * mean_i g_i`; with
+    momentum or Adam they are those of the step's gradient alone.
+  * A spike needs two consecutive logged steps (`t - 1` and `t`): log every step.
+  * Each block is read whole, `steps x B x k x k` floats at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from oryx_gradlog.storage._store import open_run
+
+
+def _dataset(run: Any):
+  return open_run(run) if isinstance(run, (str, os.PathLike)) else run
+
+
+def _grads(api: str, dataset, key: str) -> np.ndarray:
+  """`(steps, n, D)`: the `ProjectedGrads` logged under `key`, every block flattened
+  and concatenated in sorted block order."""
+  prefix = f"{key}.grads."
+  names = sorted(str(n) for n in dataset.data_vars if str(n).startswith(prefix))
+  if not names:
+    raise ValueError(
+        f"{api}: the run has no projected gradients under {key!r} (no variable "
+        f"{prefix}...; its variables: {sorted(map(str, dataset.data_vars))[:12]}). Log "
+        f"gl.projected_grads(records, projector) at every step, e.g. log.append(step, "
+        f"{{{key!r}: projected, ...}}), or pass the key you logged them under.")
+  parts = []
+  for name in names:
+    values = np.asarray(dataset[name].values, np.float64)
+    parts.append(values.reshape(values.shape[0], values.shape[1], -1))
+  return np.concatenate(parts, axis=2)
+
+
+def _series(api: str, dataset, key: str, what: str) -> np.ndarray:
+  if key not in dataset:
+    raise ValueError(f"{api}: the run has no {what} {key!r}; log it at every step "
+                     f"(log.append(step, {{{key!r}: ...}})) or pass the key it has.")
+  return np.asarray(dataset[key].values)
+
+
+def _ids(api: str, dataset, key: str, batch: int) -> np.ndarray:
+  ids = _series(api, dataset, key, "example ids")
+  if ids.ndim != 2 or ids.shape[1] != batch or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"{api}: {key!r} must be each step's (B,) integer example ids, "
+                     f"B = {batch} as the gradients'; got {ids.dtype} {ids.shape[1:]}.")
+  if ids.min() < 0:
+    raise ValueError(f"{api}: {key!r} holds negative ids; ids index the training set.")
+  return ids
+
+
+def tracin(run: Any, *, train: str = "train", query: str = "query", ids: str = "ids",
+           lr: str = "lr", num_examples: int | None = None) -> np.ndarray:
+  """Returns `(n_query, num_examples)` TracIn scores over the logged steps.
+
+  Args:
+    run: a run folder written by `gl.RunLog`, or `gl.open_run`'s dataset.
+    train: the key of each step's training `ProjectedGrads`.
+    query: the key of each step's query `ProjectedGrads`.
+    ids: the key of each step's example ids.
+    lr: the key of each step's learning rate.
+    num_examples: the training set's size (default: the largest id + 1).
+
+  Returns:
+    A NumPy array: positive where training on the example lowered the query's loss.
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda p, x: jnp.mean(jnp.sum((x @ p["w"]) ** 2, axis=-1))
+    >>> params, x = {"w": jnp.ones((3, 2))}, jnp.eye(3)
+    >>> projector = gl.fit_projector(loss, params, [(x,)], k=4)  # k >= 3: exact
+    >>> grads = lambda x: gl.projected_grads(
+    ...     gl.reap(jax.grad(gl.record_layers(loss)))(params, x), projector)
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir) as log:
+    ...   log.append(0, {"train": grads(x), "query": grads(x[:1]),
+    ...                  "ids": jnp.arange(3), "lr": jnp.float32(0.1)})
+    >>> gl.tracin(run_dir).round(2)  # 0.1 <g(q), g(z)>: 0.1 * (4 * 2)
+    array([[0.8, 0. , 0. ]])
+  """
+  api = "tracin"
+  dataset = _dataset(run)
+  t, q = _grads(api, dataset, train), _grads(api, dataset, query)
+  if t.shape[2] != q.shape[2]:
+    raise ValueError(f"{api}: the query and training gradients have {q.shape[2]} and "
+                     f"{t.shape[2]} numbers; log both with the same projector.")
+  example = _ids(api, dataset, ids, t.shape[1])
+  rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
+  n = int(example.max()) + 1 if num_examples is None else num_examples
+  if example.max() >= n:
+    raise ValueError(f"{api}(num_examples={n}): the run has ids up to {example.max()}.")
+  scores = np.zeros((q.shape[1], n))
+  for step in range(t.shape[0]):
+    if not np.isfinite(rate[step]):  # A step that logged no learning rate.
+      continue
+    np.add.at(scores.T, example[step], rate[step] * (t[step] @ q[step].T))
+  return scores
+
+
+def tracin_self_influence(run: Any, *, train: str = "train", ids: str = "ids",
+                          lr: str = "lr", num_examples: int | None = None
+                          ) -> np.ndarray:
+  """Returns `(num_examples,)`: `sum_t lr_t |g_t(z)|^2` over the logged steps.
+
+  Args and the run's keys as for `tracin` (no query).
+  """
+  api = "tracin_self_influence"
+  dataset = _dataset(run)
+  t = _grads(api, dataset, train)
+  example = _ids(api, dataset, ids, t.shape[1])
+  rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
+  n = int(example.max()) + 1 if num_examples is None else num_examples
+  own = np.zeros(n)
+  for step in range(t.shape[0]):
+    if np.isfinite(rate[step]):
+      np.add.at(own, example[step], rate[step] * np.sum(t[step] ** 2, axis=1))
+  return own
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpike:
+  """A rise of the logged loss, and the examples of the step before that caused it.
+
+  Attributes:
+    step: the step whose loss rose.
+    rise: its loss minus the median loss of the steps before it (`window`).
+    cause: the step before, whose update the rise is split among.
+    ids: that step's example ids, the largest contribution first.
+    contributions: each one's first-order share of the rise (positive: pushed the
+      loss up).
+    explained: their sum, the first-order rise that the update of `cause` made.
+      Much less than `rise`: the rise is the batch of `step`'s own (its examples
+      are unusual, or mislabelled), not the update's.
+  """
+
+  step: int
+  rise: float
+  cause: int
+  ids: np.ndarray
+  contributions: np.ndarray
+  explained: float
+
+
+def _baseline(values: np.ndarray, j: int, window: int) -> float:
+  """The median of the finite losses of the `window` steps before step `j`."""
+  before = values[max(0, j - window):j]
+  return float(np.median(before[np.isfinite(before)]))
+
+
+def loss_spikes(run: Any, *, top: int = 3, window: int = 5, loss: str = "loss",
+                train: str = "train", ids: str = "ids", lr: str = "lr"
+                ) -> list[LossSpike]:
+  """Returns the `top` largest rises of the logged loss, each split among the
+  examples of the step before (see the module docstring).
+
+  Args:
+    run: a run folder written by `gl.RunLog`, or `gl.open_run`'s dataset.
+    top: how many rises, largest first.
+    window: a step's rise is its loss less the median loss of the `window` steps
+      before it (robust to one of them being a spike itself).
+    loss: the key of each step's batch loss.
+    train: the key of each step's training `ProjectedGrads`.
+    ids: the key of each step's example ids.
+    lr: the key of each step's learning rate.
+
+  Returns:
+    A list of `LossSpike`, the largest rise first (only rises: fewer than `top`
+    where the loss rose less often).
+  """
+  api = "loss_spikes"
+  if not (isinstance(top, int) and top >= 1):
+    raise ValueError(f"{api}(top={top!r}): top is how many rises to return, an int >= 1.")
+  dataset = _dataset(run)
+  values = _series(api, dataset, loss, "loss").astype(np.float64)
+  steps = np.asarray(dataset["step"].values)
+  pairs = [j for j in range(1, len(steps)) if steps[j] == steps[j - 1] + 1
+           and np.isfinite(values[j]) and np.isfinite(values[j - 1])]
+  if not pairs:
+    raise ValueError(f"{api}: the run has no two consecutive steps with a logged loss "
+                     f"(steps {steps[:8].tolist()}...); log every step.")
+  rise = {j: values[j] - _baseline(values, j, window) for j in pairs}
+  rises = sorted((j for j in pairs if rise[j] > 0), key=lambda j: -rise[j])[:top]
+  if not rises:
+    return []
+  t = _grads(api, dataset, train)
+  example = _ids(api, dataset, ids, t.shape[1])
+  rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
+  spikes = []
+  for j in rises:
+    share = -rate[j - 1] / t.shape[1] * (t[j - 1] @ t[j].mean(axis=0))
+    order = np.argsort(-share, kind="stable")
+    spikes.append(LossSpike(int(steps[j]), float(rise[j]),
+                            int(steps[j - 1]), example[j - 1][order], share[order],
+                            float(share.sum())))
+  return spikes

@@ -1,0 +1,143 @@
+"""TracIn and loss-spike attribution from a logged run, against the same sums
+recomputed from the run's checkpoints with `vmap(grad)` per-example gradients
+(projected by hand where the projection is not exact)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_influence import N, Q, B, _mlp, _mlp_blocks, _per_example
+from test_projection import _expected
+
+import oryx_gradlog as gl
+
+
+def _flat(grads) -> np.ndarray:
+  """`(n, D)`: a parameter tree of per-example gradients, flattened."""
+  return np.concatenate([np.asarray(g, np.float64).reshape(g.shape[0], -1)
+                         for g in jax.tree.leaves(grads)], axis=1)
+
+
+def _train(loss, params, data, batches, projector, run_dir, lr_of, query=None):
+  """SGD in a Python loop of jitted steps, each logging its batch's projected
+  gradients, ids, learning rate and loss (and the query's); returns the parameters
+  each step started from (the checkpoints)."""
+  grad = gl.call_and_reap(jax.value_and_grad(gl.record_layers(loss)))
+
+  @jax.jit
+  def step(params, batch, query, lr):
+    (value, grads), records = grad(params, *batch)
+    logged = {"train": gl.projected_grads(records, projector), "lr": lr, "loss": value}
+    if query is not None:
+      logged["query"] = gl.projected_grads(
+          gl.reap(jax.grad(gl.record_layers(loss)))(params, *query), projector)
+    return jax.tree.map(lambda p, g: p - lr * g, params, grads), logged
+
+  checkpoints = []
+  with gl.RunLog(run_dir) as log:
+    for i, ids in enumerate(batches):
+      checkpoints.append(params)
+      lr = jnp.float32(lr_of(i))
+      params, logged = step(params, tuple(a[ids] for a in data), query, lr)
+      log.append(i, {**logged, "ids": jnp.asarray(ids)})
+  return checkpoints
+
+
+def _mlp_run(tmp_path, k):
+  params, x, t, forward, loss = _mlp()
+  order = np.random.default_rng(0).permutation(N)
+  batches = [order[i:i + B] for i in range(0, N, B)] * 2  # Two epochs, 6 steps.
+  projector = gl.fit_projector(loss, params, [(x[:B], t[:B])], k=k, seed=2)
+  lr_of = lambda i: 0.05 / (1 + i)
+  query = (x[N:], t[N:])
+  checkpoints = _train(loss, params, (x, t), batches, projector, tmp_path / "run", lr_of,
+                       query)
+  return params, x, t, forward, loss, batches, projector, lr_of, checkpoints
+
+
+def test_tracin_with_an_exact_projection_is_the_sum_of_lr_weighted_gradient_products(
+    tmp_path):
+  _, x, t, _, loss, batches, projector, lr_of, checkpoints = _mlp_run(tmp_path, k=8)
+  assert all(p is None for pair in projector.blocks.values() for p in pair)  # Exact.
+  expected, own = np.zeros((Q, N)), np.zeros(N)
+  for i, (ids, params) in enumerate(zip(batches, checkpoints)):
+    gz = _flat(_per_example(loss, params, x[ids], t[ids]))
+    gq = _flat(_per_example(loss, params, x[N:], t[N:]))
+    expected[:, ids] += lr_of(i) * gq @ gz.T
+    own[ids] += lr_of(i) * np.sum(gz ** 2, axis=1)
+  scores = gl.tracin(tmp_path / "run")
+  np.testing.assert_allclose(scores, expected, rtol=2e-4, atol=1e-6 * np.abs(expected).max())
+  np.testing.assert_allclose(gl.tracin_self_influence(tmp_path / "run"), own, rtol=2e-4)
+  assert gl.tracin(gl.open_run(tmp_path / "run"), num_examples=N + 5).shape == (Q, N + 5)
+
+
+def test_tracin_of_projected_gradients_is_the_sum_of_their_products(tmp_path):
+  _, x, t, forward, loss, batches, projector, lr_of, checkpoints = _mlp_run(tmp_path, k=2)
+
+  def projected(params, x, t):  # Sorted block order, as ProjectedGrads.flat.
+    blocks = dict(zip(("w1", "w2", "s"), _mlp_blocks(params, x, t, forward, loss)))
+    return np.concatenate([_expected(projector, name, blocks[name][-1]).reshape(
+        x.shape[0], -1) for name in sorted(blocks)], axis=1)
+
+  expected = np.zeros((Q, N))
+  for i, (ids, params) in enumerate(zip(batches, checkpoints)):
+    expected[:, ids] += lr_of(i) * projected(params, x[N:], t[N:]) @ projected(
+        params, x[ids], t[ids]).T
+  np.testing.assert_allclose(gl.tracin(tmp_path / "run"), expected, rtol=2e-4,
+                             atol=1e-6 * np.abs(expected).max())
+
+
+def test_a_poisoned_batch_is_named_as_the_cause_of_the_loss_spike(tmp_path):
+  """Linear regression on clean data, fitted by step 60, whose batch has 4 of its 8
+  targets shifted. Its own loss jumps (a rise the update of step 59 does not explain),
+  then step 61's, which step 60's update caused: its 4 poisoned examples pushed it up,
+  the others not at all, and the contributions sum to the first-order rise from
+  vmap(grad)."""
+  key = jax.random.PRNGKey(0)
+  x = jax.random.normal(key, (640, 5))
+  true = jax.random.normal(jax.random.PRNGKey(1), (5, 3))
+  y = x @ true
+  poisoned = np.arange(480, 484)  # Step 60's batch is examples 480..487.
+  y = y.at[poisoned].add(5.0)
+
+  def loss(p, x, y):
+    return jnp.mean(0.5 * jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=-1))
+
+  params = {"w": jnp.zeros((5, 3)), "b": jnp.zeros(3)}
+  projector = gl.fit_projector(loss, params, [(x[:8], y[:8])], k=8)  # Exact here.
+  batches = [np.arange(i, i + 8) for i in range(0, 640, 8)]
+  checkpoints = _train(loss, params, (x, y), batches, projector, tmp_path / "run",
+                       lambda i: 0.2)
+  spikes = {spike.step: spike for spike in gl.loss_spikes(tmp_path / "run", top=3)}
+  assert {60, 61} <= set(spikes)  # (The third: the loss rising in the first steps.)
+  own, caused = spikes[60], spikes[61]
+  assert own.explained < 1e-3 * own.rise  # The batch's own loss: not step 59's update.
+  assert caused.cause == 60 and caused.explained > 0.3 * caused.rise
+  assert set(caused.ids[:4].tolist()) == set(poisoned.tolist())
+  assert np.all(caused.contributions[:4] > 0.1 * caused.rise)
+  np.testing.assert_allclose(caused.contributions[4:], 0.0, atol=1e-3 * caused.rise)
+  run = gl.open_run(tmp_path / "run")
+  losses = run["loss"].values
+  np.testing.assert_allclose(caused.rise, losses[61] - np.median(losses[56:61]), rtol=1e-6)
+  g60 = _flat(_per_example(loss, checkpoints[60], x[batches[60]], y[batches[60]]))
+  g61 = _flat(_per_example(loss, checkpoints[61], x[batches[61]], y[batches[61]]))
+  estimate = -0.2 * g60.mean(axis=0) @ g61.mean(axis=0)
+  np.testing.assert_allclose(caused.explained, estimate, rtol=1e-4)
+  np.testing.assert_allclose(caused.contributions.sum(), estimate, rtol=1e-4)
+
+
+def test_a_run_without_the_keys_is_a_clear_error(tmp_path):
+  with gl.RunLog(tmp_path / "run") as log:
+    for step in (0, 2):
+      log.append(step, {"loss": jnp.float32(1.0 + step)})
+  with pytest.raises(ValueError, match=r"tracin: the run has no projected gradients under "
+                     r"'train' \(no variable train.grads....; its variables: \['loss'\]\)\. "
+                     r"Log gl.projected_grads"):
+    gl.tracin(tmp_path / "run")
+  with pytest.raises(ValueError, match=r"loss_spikes: the run has no two consecutive "
+                     r"steps with a logged loss \(steps \[0, 2\]"):
+    gl.loss_spikes(tmp_path / "run")
+  with pytest.raises(ValueError, match=r"loss_spikes\(top=0\): top is how many"):
+    gl.loss_spikes(tmp_path / "run", top=0)
