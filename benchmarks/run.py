@@ -41,6 +41,7 @@ import jax
 
 import _harness as h
 import bench_any_model
+import bench_attribution
 import bench_compile_time
 import bench_disk_stream
 import bench_dp
@@ -67,6 +68,7 @@ WORKLOADS = {
     10: bench_instruments,
     11: bench_multihost,
     12: bench_any_model,
+    13: bench_attribution,
 }
 TARGETS = {
     1: "full records <= 1.10 x plain grad",
@@ -82,6 +84,8 @@ TARGETS = {
     12: ("stock NNX decoder, no layer marked: record_layers reaped and dropped <= 1.05, "
          "per-example norms <= 1.30, gl.clipped_grad <= 1.30 x plain grad (time) and <= 1.30 "
          "x its XLA temp memory; trace+compile of record_layers on 24 blocks <= 1.5 x plain"),
+    13: ("projected per-example gradients (k = 16) logged every step <= 1.25 x plain grad; "
+         "the stored run <= 2% of the whole per-example gradients"),
 }
 
 

@@ -81,6 +81,7 @@ __all__ = (
     "hessian_diagonal",
     "hessian_max_eigenvalue",
     "hessian_trace",
+    "influence_from_run",
     "kfac_factors",
     "layer_coverage",
     "layer_norm",

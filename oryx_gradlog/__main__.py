@@ -41,15 +41,40 @@ def _parser() -> argparse.ArgumentParser:
   board.add_argument("--logdir", default=None,
                      help="output folder (default RUN_DIR/tensorboard; for a folder of "
                      "runs, LOGDIR/RUN for each, as TensorBoard shows runs)")
+  attribute = commands.add_parser(
+      "attribute", help="print a run's loss spikes, self-influence and queries' examples",
+      description="Prints, from the projected per-example gradients a run logged "
+      "(gl.projected_grads, with 'ids' and 'lr'), the steps whose loss rose most and the "
+      "examples behind each, the examples of the highest TracIn self-influence, and each "
+      "logged query's most helpful and harmful examples.")
+  attribute.add_argument("run_dir", metavar="RUN_DIR", help=run_help)
+  attribute.add_argument("--top", type=int, default=5,
+                         help="how many loss spikes (and twice as many examples)")
   return parser
+
+
+def _attribute(run_dir: str, top: int) -> str:
+  # pylint: disable=import-outside-toplevel
+  from oryx_gradlog.storage import _attribution_page, _store
+  dataset = _store.open_run(_store.run_folder(run_dir, "attribute"))
+  if not _attribution_page.has_attribution(dataset):
+    raise ValueError(
+        f"attribute({run_dir!r}): the run logged no projected gradients with example ids "
+        "(the keys 'train', 'ids' and 'lr'). Log gl.projected_grads(records, projector) "
+        "with the batch's ids and learning rate at every step (README, 'From the "
+        "training run itself').")
+  return f"{run_dir}:\n" + _attribution_page.attribution_text(dataset, top=top)
 
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   # pylint: disable=import-outside-toplevel
   from oryx_gradlog.storage import _report, _store, _tensorboard
-  command, out = ((_report.report, args.out) if args.command == "report"
-                  else (_tensorboard.export_tensorboard, args.logdir))
+  if args.command == "attribute":
+    command, out = (lambda run, _: _attribute(run, args.top)), None
+  else:
+    command, out = ((_report.report, args.out) if args.command == "report"
+                    else (_tensorboard.export_tensorboard, args.logdir))
   runs = [args.run_dir]
   if (not os.path.isdir(os.path.join(args.run_dir, _store.STORE_NAME))
       and os.path.basename(os.path.normpath(args.run_dir)) != _store.STORE_NAME):

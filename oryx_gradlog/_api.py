@@ -38,8 +38,9 @@ from oryx_gradlog.analyses.attribution._projection import (
     fit_projector,
     projected_grads,
 )
-from oryx_gradlog.analyses.attribution._tracin import (
+from oryx_gradlog.analyses.attribution._from_run import (
     LossSpike,
+    influence_from_run,
     loss_spikes,
     tracin,
     tracin_self_influence,

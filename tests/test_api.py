@@ -34,7 +34,7 @@ def test_all_is_the_documented_api():
       "Influence", "InfluenceFactors", "fit_influence", "lds",
       # From the training run itself (issue 26).
       "ProjectedGrads", "Projector", "fit_projector", "projected_grads", "LossSpike",
-      "loss_spikes", "tracin", "tracin_self_influence"])
+      "loss_spikes", "tracin", "tracin_self_influence", "influence_from_run"])
   assert gl.DEFAULT_TAG == "vjp"
   assert list(gl.__all__) == sorted(gl.__all__)
 

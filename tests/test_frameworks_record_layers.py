@@ -77,6 +77,13 @@ def _check_influence(loss, params, batch, grads):
     got = scale * np.asarray(influence.scores([batch], [batch]), np.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-4 * np.abs(expected).max(),
                                err_msg=strategy)
+  # LoGra's projected gradients with every side kept whole (k above every width): each
+  # example's whole gradient, its blocks' products those of vmap(grad).
+  projector = gl.fit_projector(loss, params, [batch], k=64)
+  records = gl.reap(jax.grad(gl.record_layers(loss)))(params, *batch)
+  flat = np.asarray(gl.projected_grads(records, projector).flat(), np.float64)
+  np.testing.assert_allclose(flat @ flat.T, expected, rtol=1e-3,
+                             atol=1e-4 * np.abs(expected).max(), err_msg="projected")
 
 
 def _stack_batch():

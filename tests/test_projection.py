@@ -102,7 +102,7 @@ def test_pca_keeps_the_top_eigenvectors_of_each_covariance():
     assert values[-2] > values[-3]  # A top-2 subspace that is well defined.
 
 
-@pytest.mark.parametrize("strategy", ["identity", "ekfac"])
+@pytest.mark.parametrize("strategy", ["identity", "ekfac", "full"])
 def test_influence_in_the_projected_space(strategy):
   params, x, t, forward, loss = _mlp()
   train, query = (x[:N], t[:N]), (x[N:], t[N:])

@@ -51,6 +51,13 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, capsys):
   for got, want in zip(jax.tree.leaves(unclipped), jax.tree.leaves(jax.grad(tag_loss)(*args))):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
   assert namespace["tag_norms"].shape == (16,) and np.all(np.isfinite(namespace["tag_norms"]))
+  # The run's attribution block: the logged steps' TracIn and spikes.
+  tracin_scores = namespace["tracin_scores"]
+  assert tracin_scores.shape == (4, 32) and np.all(np.isfinite(tracin_scores))
+  run = namespace["gl"].open_run(tmp_path / "runs" / "attribution")
+  assert run["ids"].values.tolist() == [list(range(16 * (s % 2), 16 * (s % 2) + 16))
+                                        for s in range(6)]
+  assert all(spike.cause == spike.step - 1 for spike in namespace["spikes"])
   scores = namespace["scores"]
   assert scores.shape == (4, 32) and np.all(np.isfinite(scores))
   # Block 6's norms against vmap(grad) of the block-5 loss.

@@ -121,7 +121,7 @@ def figures(monkeypatch):
   """The desktop figure of each image the report saves, as `{file: [Panel]}`, read
   once drawn, before the figure is closed."""
   saved = {}
-  save = _report._save
+  save = _report.save_figure
 
   def recording(draw, out_dir, name, plt):
     def drawn(phone):
@@ -133,7 +133,7 @@ def figures(monkeypatch):
       return fig
     return save(drawn, out_dir, name, plt)
 
-  monkeypatch.setattr(_report, "_save", recording)
+  monkeypatch.setattr(_report, "save_figure", recording)
   return saved
 
 
@@ -223,7 +223,7 @@ def test_step_ticks_are_whole_steps():
   low, high = ax.get_xlim()
   default = [t for t in ax.get_xticks() if low <= t <= high]
   assert any(t != round(t) for t in default)  # Matplotlib's own ticks: 0.5, 1.5, ...
-  _report._step_axis(ax)
+  _report.step_axis(ax)
   fig.canvas.draw()
   ticks = [t for t in ax.get_xticks() if low <= t <= high]
   assert ticks == [0, 1, 2, 3, 4] and ax.get_xlabel() == "step"

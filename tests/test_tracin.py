@@ -4,6 +4,12 @@ recomputed from the run's checkpoints with `vmap(grad)` per-example gradients
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +95,33 @@ def test_tracin_of_projected_gradients_is_the_sum_of_their_products(tmp_path):
                              atol=1e-6 * np.abs(expected).max())
 
 
+def test_influence_from_a_run_is_fit_influence_with_the_same_projection(tmp_path):
+  """An influence pass logged at fixed parameters (learning rate 0), in shuffled
+  batches: the scores of gl.fit_influence(strategy="full", projection=...), from the
+  log alone."""
+  params, x, t, _, loss = _mlp()
+  order = np.random.default_rng(1).permutation(N)
+  batches = [order[i:i + B] for i in range(0, N, B)]
+  projector = gl.fit_projector(loss, params, [(x[:B], t[:B])], k=2, seed=5)
+  query = (x[N:], t[N:])
+  _train(loss, params, (x, t), batches, projector, tmp_path / "run", lambda i: 0.0, query)
+  expected = gl.fit_influence(
+      loss, params, [(x[ids], t[ids]) for ids in batches], strategy="full",
+      projection=projector).scores([query], [(x[:N], t[:N])])
+  got = gl.influence_from_run(tmp_path / "run")
+  np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-5 * np.abs(expected).max())
+  # Given damping, and a subset of steps: the first two batches' examples only.
+  part = gl.influence_from_run(tmp_path / "run", steps=slice(0, 2), damping=0.5,
+                               num_examples=N)
+  seen = np.concatenate(batches[:2])
+  expected = gl.fit_influence(
+      loss, params, [(x[ids], t[ids]) for ids in batches[:2]], strategy="full", damping=0.5,
+      projection=projector).scores([query], [(x[seen], t[seen])])
+  np.testing.assert_allclose(part[:, seen], expected, rtol=2e-4,
+                             atol=1e-5 * np.abs(expected).max())
+  assert np.all(np.delete(part, seen, axis=1) == 0)
+
+
 def test_a_poisoned_batch_is_named_as_the_cause_of_the_loss_spike(tmp_path):
   """Linear regression on clean data, fitted by step 60, whose batch has 4 of its 8
   targets shifted. Its own loss jumps (a rise the update of step 59 does not explain),
@@ -141,3 +174,81 @@ def test_a_run_without_the_keys_is_a_clear_error(tmp_path):
     gl.loss_spikes(tmp_path / "run")
   with pytest.raises(ValueError, match=r"loss_spikes\(top=0\): top is how many"):
     gl.loss_spikes(tmp_path / "run", top=0)
+
+
+_KILLED_SCRIPT = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, oryx_gradlog as gl
+    sys.path.insert(0, sys.argv[2])
+    from test_tracin import _killed_step
+    step_fn = _killed_step()
+    with gl.RunLog(sys.argv[1]) as log:
+      step = 0
+      while True:
+        log.append(step, step_fn(step))
+        if step % 3 == 2:
+          print("flushed", log.flush(), flush=True)
+        step += 1
+""")
+
+
+def _killed_step():
+  """The logged quantities of step `step` of a fixed model (deterministic)."""
+  loss = lambda p, x: jnp.mean(jnp.sum(jnp.tanh(x @ p["w"]) ** 2, axis=-1))
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (20, 20)) / 5}
+  base = jax.random.normal(jax.random.PRNGKey(1), (4, 20))
+  projector = gl.fit_projector(loss, params, [(base,)], k=3, seed=4)
+  grads = jax.jit(lambda x: gl.projected_grads(
+      gl.reap(jax.grad(gl.record_layers(loss)))(params, x), projector))
+  return lambda step: {"train": grads(base * (1 + 0.1 * step)), "lr": jnp.float32(0.1),
+                       "ids": jnp.arange(4) + 4 * step}
+
+
+def test_a_killed_run_keeps_every_committed_steps_projections(tmp_path):
+  process = subprocess.Popen(
+      [sys.executable, "-c", _KILLED_SCRIPT, str(tmp_path / "run"), os.path.dirname(__file__)],
+      stdout=subprocess.PIPE, text=True)
+  for _ in range(3):
+    line = process.stdout.readline()
+    assert line.startswith("flushed"), line
+    reported = int(line.split()[1])
+  process.send_signal(signal.SIGKILL)
+  process.wait(timeout=60)
+  run = gl.open_run(tmp_path / "run")
+  committed = run.sizes["step"]
+  assert committed >= reported >= 9
+  step_fn = _killed_step()
+  expected = np.concatenate([0.1 * np.sum(np.asarray(step_fn(s)["train"].flat()) ** 2, axis=1)
+                             for s in range(committed)])
+  np.testing.assert_allclose(gl.tracin_self_influence(run), expected, rtol=1e-5)
+
+
+def test_the_report_and_the_cli_show_the_runs_attribution(tmp_path):
+  pytest.importorskip("matplotlib")
+  _mlp_run(tmp_path, k=8)
+  run_dir = tmp_path / "run"
+  index = gl.report(run_dir, progress=False)
+  assert "href='attribution.html'" in open(index, encoding="utf-8").read()
+  page = open(os.path.join(os.path.dirname(index), "attribution.html"), encoding="utf-8").read()
+  own = gl.tracin_self_influence(run_dir)
+  top = np.argsort(-own, kind="stable")[:3]
+  assert "".join(f"<tr><td>{i}</td><td>{own[i]:.4g}</td></tr>" for i in top) in page
+  spikes = gl.loss_spikes(run_dir, top=5)
+  for spike in spikes:
+    assert f"<tr><td>{spike.step}</td><td>{spike.rise:+.4g}</td><td>{spike.cause}</td>" in page
+  scores = gl.tracin(run_dir)
+  best = np.argsort(-scores[0], kind="stable")[0]
+  assert f"<tr><td>0</td><td>{best} ({scores[0, best]:+.3g})" in page
+  result = subprocess.run([sys.executable, "-m", "oryx_gradlog", "attribute", str(run_dir)],
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert lines[0] == f"{run_dir}:"
+  assert sum(line.startswith("step ") for line in lines) == len(spikes)
+  assert any(line.startswith(f"highest TracIn self-influence: {top[0]} (") for line in lines)
+  assert sum(line.startswith("query ") for line in lines) == Q
+  with gl.RunLog(tmp_path / "plain") as log:
+    log.append(0, {"loss": jnp.float32(1.0)})
+  result = subprocess.run([sys.executable, "-m", "oryx_gradlog", "attribute",
+                           str(tmp_path / "plain")],
+                          capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 2 and "logged no projected gradients" in result.stderr

@@ -6,8 +6,9 @@
   products;
 * `instruments`: Cockpit's training instruments and the gradient noise scale;
 * `debugging`: where a non-finite value entered the backward pass;
-* `attribution`: influence functions (which training examples did this) and the
-  linear datamodeling score.
+* `attribution`: influence functions (which training examples did this), LoGra's
+  projected per-example gradients, TracIn and loss-spike attribution from a logged
+  run, and the linear datamodeling score.
 
 Each starts with `_common.select`, which reads the records as one `Selection` of
 layer uses (`oryx_gradlog.record._selection`), hand-marked and found alike, and loops

@@ -24,6 +24,10 @@ series; a click opens the PNG at full size). In the order of the page:
 * `arrays_N.png`: every other numeric array, one panel each, as quantile bands
   over its rows (its `example` dim, else its first dim; other dims reduced to their
   L2 norm: a full record becomes per-example norms), six panels to an image;
+* `attribution.html` and `attribution.png`, when the run logged projected
+  per-example gradients with example ids (`gl.projected_grads`, see
+  `_attribution_page.py`): loss spikes and the examples behind them, the highest
+  TracIn self-influence, each query's most helpful and harmful examples;
 * `dashboard.html` and `instruments.png`, when the run logged training instruments
   (`gl.training_instruments` readings appended under `"instruments"`): the loss
   first, full width, then Cockpit's columns (step size, gradients, curvature) row by
@@ -80,6 +84,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from oryx_gradlog.storage import _attribution_page
 from oryx_gradlog.storage._store import _require, open_run, run_folder, store_name
 
 _STATS = ("norm", "mean", "variance", "min", "max", "nonfinite")
@@ -146,7 +151,7 @@ _CSS = (
     "td:first-child,th:first-child{text-align:left;overflow-wrap:anywhere}")
 
 
-class _Section(NamedTuple):
+class Section(NamedTuple):
   """A part of a page: a key for its anchor, its heading and its HTML body."""
 
   key: str
@@ -215,6 +220,9 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
   os.makedirs(out_dir, exist_ok=True)
   groups = summary_groups(dataset.data_vars)
   series = series_names(dataset)
+  attribution = _attribution_page.attribution_page(dataset, out_dir, plt)
+  if attribution:  # Projected gradients and ids are that page's, not panels of their own.
+    series = [n for n in series if n != "ids" and not n.startswith(("train.", "query."))]
   dashboard = dashboard_page(dataset, run_dir, out_dir, plt,
                              report_link=bool(groups or series))
   if not groups and not series and dashboard:
@@ -240,17 +248,19 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
       f"{html.escape(', '.join(records) or 'none')}; scalar series: {len(scalars)}; "
       f"other arrays: {len(arrays)}.</p><p>config: <code>{config}</code></p>" +
       ("<p><a href='dashboard.html'>Training instruments dashboard</a></p>"
-       if dashboard else ""))
+       if dashboard else "") +
+      ("<p><a href='attribution.html'>Training-data attribution: loss spikes, "
+       "self-influence, queries</a></p>" if attribution else ""))
   page = os.path.join(out_dir, "index.html")
   with open(page, "w", encoding="utf-8") as f:
-    f.write(_page("oryx_gradlog report", f"Run report: {os.fspath(run_dir)}", intro, sections))
+    f.write(page_html("oryx_gradlog report", f"Run report: {os.fspath(run_dir)}", intro, sections))
   return page
 
 
 # The page.
 
 
-def _page(title: str, heading: str, intro: str, sections: Sequence[_Section]) -> str:
+def page_html(title: str, heading: str, intro: str, sections: Sequence[Section]) -> str:
   """A page: its heading, `intro` (HTML), a table of contents, then the sections."""
   anchors = _anchors([s.key for s in sections])
   toc = "".join(f"<li><a href='#{a}'>{html.escape(s.heading)}</a></li>"
@@ -280,11 +290,11 @@ def _anchors(keys: Sequence[str]) -> list[str]:
   return anchors
 
 
-def _figure_section(key: str, heading: str, image: str, alt: str, description: str) -> _Section:
+def figure_section(key: str, heading: str, image: str, alt: str, description: str) -> Section:
   """A figure's section: its description, then the image (its drawing for a phone on
   narrow screens), which links to the desktop drawing at full size."""
   src, phone = html.escape(quote(image)), html.escape(quote(_phone_image(image)))
-  return _Section(key, heading, (
+  return Section(key, heading, (
       f"<p>{html.escape(description)}</p><a href='{src}'><picture>"
       f"<source media='{_PHONE_PAGE}' srcset='{phone}'>"
       f"<img src='{src}' alt='{html.escape(alt)}'></picture></a>"))
@@ -313,7 +323,7 @@ def _is_loss(name: str) -> bool:
 
 
 def scalar_sections(dataset, scalars: dict[str, np.ndarray], out_dir: str, plt
-                    ) -> list[_Section]:
+                    ) -> list[Section]:
   """The sections of the scalar series: each loss in a figure of its own (the
   instruments' loss when the run's own series have none), the others six to a
   figure, then a table of the last finite values."""
@@ -325,9 +335,9 @@ def scalar_sections(dataset, scalars: dict[str, np.ndarray], out_dir: str, plt
     shown[loss] = np.asarray(dataset[loss].values, np.float64)
   sections = []
   for name, values in shown.items():
-    image = _save(functools.partial(_scalar_figure, plt, steps, [(name, values)]), out_dir,
+    image = save_figure(functools.partial(_scalar_figure, plt, steps, [(name, values)]), out_dir,
                   f"scalar.{name}.png", plt)
-    sections.append(_figure_section(
+    sections.append(figure_section(
         f"scalar-{name}", f"Loss: {name}", image, f"Line plot of {name} over steps",
         _reading_note(name, values, steps) +
         (" Read by the training instruments (see the dashboard)."
@@ -335,10 +345,10 @@ def scalar_sections(dataset, scalars: dict[str, np.ndarray], out_dir: str, plt
   others = [n for n in scalars if n not in shown]
   for first in range(0, len(others), _PER_IMAGE):
     chunk = others[first:first + _PER_IMAGE]
-    image = _save(functools.partial(_scalar_figure, plt, steps, [(n, scalars[n]) for n in chunk]),
+    image = save_figure(functools.partial(_scalar_figure, plt, steps, [(n, scalars[n]) for n in chunk]),
                   out_dir, f"scalars_{first // _PER_IMAGE + 1}.png", plt)
     sparse = [n for n in chunk if not np.all(np.isfinite(scalars[n]))]
-    sections.append(_figure_section(
+    sections.append(figure_section(
         "scalars-" + "-".join(chunk[:3]), f"Scalar series: {_listing(chunk)}", image,
         f"Line plots over steps, one panel each: {', '.join(chunk)}",
         "One panel per series, over steps." +
@@ -350,7 +360,7 @@ def scalar_sections(dataset, scalars: dict[str, np.ndarray], out_dir: str, plt
       read = np.flatnonzero(np.isfinite(values))
       rows.append((name, f"{_last_reading(values):.4g}",
                    str(steps[read[-1]]) if read.size else "never"))
-    sections.append(_Section("last-values", "Scalar series: last values",
+    sections.append(Section("last-values", "Scalar series: last values",
                              _table(("series", "last value", "at step"), rows)))
   return sections
 
@@ -374,7 +384,7 @@ def _scalar_figure(plt, steps: np.ndarray, named: Sequence[tuple[str, np.ndarray
     drawn = _line(ax, steps, values)
     wide = drawn.size and np.all(drawn > 0) and drawn.max() > 100 * drawn.min()
     _y_axis(ax, [drawn], log=bool(wide), label=name.rsplit("/", 1)[-1], title=name)
-    _step_axis(ax)
+    step_axis(ax)
   for ax in axes.ravel()[len(named):]:
     ax.axis("off")
   return fig
@@ -383,7 +393,7 @@ def _scalar_figure(plt, steps: np.ndarray, named: Sequence[tuple[str, np.ndarray
 # The summaries: cotangent norms, histograms, per-example norms, non-finite counts.
 
 
-def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[_Section]:
+def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[Section]:
   """The sections of the summaries: cotangent norms, one histogram per distinct
   record, per-example norms, non-finite counts, and the table of the last step."""
   steps = np.asarray(dataset["step"].values)
@@ -405,10 +415,10 @@ def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[_Sec
   lines = _distinct(lines)
   over = " (mean over examples)" if any("example" in data[g]["norm"].dims for g in groups) else ""
   names = [_equal(n) for n, _ in lines]
-  image = _save(functools.partial(_lines_figure, plt, steps, lines,
+  image = save_figure(functools.partial(_lines_figure, plt, steps, lines,
                                   ylabel=f"cotangent L2 norm{over}",
                                   title="Cotangent norm per record"), out_dir, "norms.png", plt)
-  sections.append(_figure_section(
+  sections.append(figure_section(
       "norms", f"Cotangent norms per record: {_listing(names)}", image,
       f"Line plot of the cotangent L2 norm over steps of {', '.join(names)}",
       "The L2 norm, per step, of the cotangent each record saw: the gradient of the loss "
@@ -423,10 +433,10 @@ def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[_Sec
   for names_, counts in histograms:
     rows = _histogram_rows(counts)
     low, high = _bin_edge(edges, rows.start), _bin_edge(edges, rows.stop)
-    image = _save(functools.partial(_histogram_figure, plt, steps, counts, edges,
+    image = save_figure(functools.partial(_histogram_figure, plt, steps, counts, edges,
                                     title=_equal(names_)),
                   out_dir, f"{first_group[names_[0]]}.histogram.png", plt)
-    sections.append(_figure_section(
+    sections.append(figure_section(
         f"histogram-{names_[0]}", f"Cotangent magnitude histogram: {_equal(names_)}", image,
         f"Heat map of the cotangent magnitude histogram over steps of {_equal(names_)}",
         f"How many entries of the cotangent had each magnitude |cotangent|, per step "
@@ -438,12 +448,12 @@ def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[_Sec
        .transpose("step", "example").values)
       for g in groups if "example" in data[g]["norm"].dims])
   if per_example:
-    image = _save(functools.partial(_bands_figure, plt, steps,
+    image = save_figure(functools.partial(_bands_figure, plt, steps,
                                     [(_equal(n), v) for n, v in per_example],
                                     ylabel="per-example norm", log=True),
                   out_dir, "per_example.png", plt)
     names = [_equal(n) for n, _ in per_example]
-    sections.append(_figure_section(
+    sections.append(figure_section(
         "per-example", f"Per-example cotangent norms: {_listing(names)}", image,
         f"Quantile bands over examples of the per-example cotangent norm of {', '.join(names)}",
         "Per step, the quantiles over the batch's examples of each example's cotangent "
@@ -456,14 +466,14 @@ def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[_Sec
   names = [_equal(n) for n, _ in counts]
   if all(np.nansum(c) == 0 for _, c in counts):  # A flat line at 0 says no more than this.
     records = [label for labels, _ in counts for label in labels]
-    sections.append(_Section(
+    sections.append(Section(
         "nonfinite", f"Non-finite cotangent entries: none in {_listing(records)}",
         "<p>No record's cotangent had a NaN or inf entry at any step.</p>"))
   else:
-    image = _save(functools.partial(_lines_figure, plt, steps, counts, log=False,
+    image = save_figure(functools.partial(_lines_figure, plt, steps, counts, log=False,
                                     ylabel="NaN/inf entries", title="Non-finite cotangent entries",
                                     height=3.0), out_dir, "nonfinite.png", plt)
-    sections.append(_figure_section(
+    sections.append(figure_section(
         "nonfinite", f"Non-finite cotangent entries: {_listing(names)}", image,
         f"Line plot of the count of NaN and inf cotangent entries over steps of "
         f"{', '.join(names)}",
@@ -477,7 +487,7 @@ def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[_Sec
                                 "sum" if stat == "nonfinite" else "mean"))
             for stat in _STATS if stat in data[group]}
     rows.append((group, *(f"{last.get(stat, float('nan')):.4g}" for stat in _STATS)))
-  sections.append(_Section("last-step", f"Summaries at the last step ({steps[-1]})",
+  sections.append(Section("last-step", f"Summaries at the last step ({steps[-1]})",
                            _table(("summary", *_STATS), rows)))
   return sections
 
@@ -518,7 +528,7 @@ def _lines_figure(plt, steps, lines, *, ylabel: str, title: str, log: bool = Tru
   ax = axes[0, 0]
   drawn = [_line(ax, steps, values, label=_equal(names)) for names, values in lines]
   _y_axis(ax, drawn, log=log, label=ylabel, title=title)
-  _step_axis(ax)
+  step_axis(ax)
   _legend(ax)
   return fig
 
@@ -553,7 +563,7 @@ def _histogram_figure(plt, steps, counts: np.ndarray, edges: np.ndarray, title: 
   ax.set_yticks(ticks, [_bin_edge(edges, int(t)) for t in ticks])
   ax.set_ylabel("|cotangent| (bin edges)")
   _title(ax, f"{title}: |cotangent| histogram")
-  _step_axis(ax)
+  step_axis(ax)
   fig.colorbar(mesh, ax=ax, label="log10(1 + count)")
   return fig
 
@@ -603,7 +613,7 @@ def series_values(array, max_entries: int = 2**24) -> tuple[np.ndarray, str]:
 
 
 def array_sections(steps, arrays: dict[str, tuple[np.ndarray, str]], out_dir: str, plt
-                   ) -> list[_Section]:
+                   ) -> list[Section]:
   """The sections of the other arrays: quantile bands over their rows, six panels
   to a figure; arrays equal at every step share a panel."""
   panels = _distinct((label, values) for values, label in arrays.values())
@@ -611,11 +621,11 @@ def array_sections(steps, arrays: dict[str, tuple[np.ndarray, str]], out_dir: st
   sections = []
   for first in range(0, len(panels), _PER_IMAGE):
     chunk = panels[first:first + _PER_IMAGE]
-    image = _save(functools.partial(_bands_figure, plt, steps,
+    image = save_figure(functools.partial(_bands_figure, plt, steps,
                                     [(_equal(n), v) for n, v in chunk], ylabel="value"),
                   out_dir, f"arrays_{first // _PER_IMAGE + 1}.png", plt)
     shown = [names[label] for labels, _ in chunk for label in labels]
-    sections.append(_figure_section(
+    sections.append(figure_section(
         "arrays-" + "-".join(shown[:3]), f"Arrays: {_listing(shown)}", image,
         "Quantile bands over steps, one panel each: " +
         "; ".join(_equal(labels) for labels, _ in chunk),
@@ -636,7 +646,7 @@ def _bands_figure(plt, steps, panels: Sequence[tuple[str, np.ndarray]], *, ylabe
     finite = q[np.isfinite(q)]
     wide = finite.size and np.all(finite > 0) and finite.max() > 100 * finite.min()
     _y_axis(ax, [finite], log=bool(wide) if log is None else log, label=ylabel, title=title)
-    _step_axis(ax)
+    step_axis(ax)
   for ax in axes.ravel()[len(panels):]:
     ax.axis("off")
   return fig
@@ -671,7 +681,7 @@ def _line(ax, steps, values, **style) -> np.ndarray:
   return values[read]
 
 
-def _step_axis(ax) -> None:
+def step_axis(ax) -> None:
   """Labels the x axis "step", with ticks at whole steps only."""
   from matplotlib import ticker  # pylint: disable=import-outside-toplevel
   ax.xaxis.set_major_locator(ticker.MaxNLocator(nbins="auto", integer=True))
@@ -800,7 +810,7 @@ def dashboard_page(dataset, run_dir, out_dir: str, plt, *, report_link: bool = T
       instrument, _, leaf = n[len(PER_PARAMETER):].partition(".")
       per_parameter.setdefault(instrument, {})[leaf] = value(n).reshape(len(steps))
   rows = _dashboard_rows(set(scalars) | {n.split(".")[0] for n in names}, scalars)
-  image = _save(functools.partial(_dashboard_figure, plt, dataset, steps, rows, scalars,
+  image = save_figure(functools.partial(_dashboard_figure, plt, dataset, steps, rows, scalars,
                                   per_parameter), out_dir, "instruments.png", plt)
   shown = [i for row in rows for panel in row for i in panel.instruments
            if i in scalars or i in _HISTOGRAMS]
@@ -814,18 +824,18 @@ def dashboard_page(dataset, run_dir, out_dir: str, plt, *, report_link: bool = T
       "per-parameter readings, one colour per parameter." +
       (" <a href='index.html'>Gradient report</a>" if report_link else "") + "</p>")
   sections = [
-      _figure_section("instruments", f"Training instruments: {_listing(shown, 12)}", image,
+      figure_section("instruments", f"Training instruments: {_listing(shown, 12)}", image,
                       f"Dashboard of the training instruments over steps: {', '.join(shown)}",
                       "Each panel over steps, but the gradient histograms, which are those "
                       "of the last step that read them. A panel whose few far readings "
                       "would flatten it says how many it leaves out."),
-      _Section("last-readings", "Last readings",
+      Section("last-readings", "Last readings",
                "<div class='table'><table><tr><th>instrument</th><th>value</th></tr>" +
                "".join(f"<tr><td>{html.escape(n)}</td><td>{v:.4g}</td></tr>"
                        for n, v in sorted(last.items())) + "</table></div>")]
   page = os.path.join(out_dir, "dashboard.html")
   with open(page, "w", encoding="utf-8") as f:
-    f.write(_page("oryx_gradlog dashboard", f"Training instruments: {os.fspath(run_dir)}",
+    f.write(page_html("oryx_gradlog dashboard", f"Training instruments: {os.fspath(run_dir)}",
                   intro, sections))
   return page
 
@@ -895,7 +905,7 @@ def _instrument_panel(ax, panel: _Panel, steps, scalars, per_parameter, colours)
   if panel.line is not None:
     ax.axhline(panel.line, color="grey", linestyle="--", linewidth=1)
   _y_axis(ax, drawn, log=panel.log, label=panel.ylabel, title=panel.title)
-  _step_axis(ax)
+  step_axis(ax)
   if len(instruments) > 1 or named:
     _legend(ax, title="thin: per parameter" if named else None, title_fontsize="small")
 
@@ -944,7 +954,7 @@ def _phone_image(name: str) -> str:
   return name[:-len(".png")] + ".phone.png"
 
 
-def _save(draw, out_dir, name, plt) -> str:
+def save_figure(draw, out_dir, name, plt) -> str:
   """Saves the figures `draw(phone=False)` as `name` and `draw(phone=True)` beside it
   (named by `_phone_image`), percent-encoded as the store encodes names (a record
   name with `/` stays one file); returns the first file's name."""

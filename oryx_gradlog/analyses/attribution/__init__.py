@@ -1,2 +1,14 @@
-"""Training-data attribution: influence functions from the layer records.
-Internal: the public names are in `oryx_gradlog`."""
+"""Training-data attribution: which training examples did this.
+
+* `_blocks.py`: the blocks (a layer's weight with its bias, or one parameter) and
+  what one batch's records give each;
+* `_influence.py`: influence functions (`fit_influence`, `Influence`): K-FAC,
+  EK-FAC, the full Fisher, plain gradient products;
+* `_projection.py`: LoGra's projected per-example gradients (`fit_projector`,
+  `projected_grads`), small enough to log at every training step;
+* `_from_run.py`: from such a log, TracIn, influence and the examples behind a
+  loss spike;
+* `_lds.py`: the linear datamodeling score of any attribution.
+
+Internal: the public names are in `oryx_gradlog`.
+"""

@@ -30,6 +30,12 @@ conventions, so that they can be compared one to one:
   bias, generic uses, a parameter with several uses) is a diagonal block: the mean
   of the per-example squared gradients (the empirical Fisher's diagonal) for both
   `"kfac"` and `"ekfac"`.
+* `strategy="full"`: each block's whole empirical Fisher, the mean of `vec(G_i)
+  vec(G_i)^T` over examples (per layer of a stacked block), inverted in its float64
+  eigenbasis: LoGra's curvature (LogIX's `"raw"`) for projected gradients, and for
+  blocks of at most 4,096 numbers without a projection.
+* `projection=gl.fit_projector(...)` (LoGra): every block's inputs and cotangents
+  are projected first, and the strategies fit and score the projected gradients.
 * `damping=None` is 0.1 times the mean of each block's eigenvalues (per layer of a
   scan-stacked block), as Kronfluence's `damping_factor=None`; a number is added
   to every eigenvalue as it is.
@@ -74,7 +80,8 @@ from oryx_gradlog.analyses.attribution._blocks import (
 from oryx_gradlog.analyses.attribution._projection import Projector, project
 from oryx_gradlog.record._kinds import EMBED
 
-STRATEGIES = ("identity", "kfac", "ekfac")
+STRATEGIES = ("identity", "kfac", "ekfac", "full")
+_FULL_MAX = 4096  # Numbers per example of a block that `"full"` inverts (128 MiB).
 _DAMPING_FACTOR = 0.1  # Kronfluence's `damping_factor=None`: 0.1 x the mean eigenvalue.
 
 
@@ -124,6 +131,28 @@ class DiagonalBlock:
 
 
 @functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q", "eigenvalues", "damping"], meta_fields=["keys"])
+@dataclasses.dataclass(frozen=True)
+class FullBlock:
+  """The full empirical Fisher of one block's per-example gradients (`"full"`), in its
+  eigenbasis: LoGra's and LogIX's `"raw"` curvature of projected gradients.
+
+  Attributes:
+    q: `(S, D, D)` the eigenvectors, per layer `S` of a stacked use; `D` the block's
+      (projected) gradient size per layer, flattened.
+    eigenvalues: `(S, D)` the eigenvalues.
+    damping: `(S,)` added to them.
+    keys: the parameter paths in the block.
+  """
+
+  q: jax.Array
+  eigenvalues: jax.Array
+  damping: jax.Array
+  keys: tuple[str, ...]
+
+
+@functools.partial(
     jax.tree_util.register_dataclass, data_fields=["blocks", "projection"],
     meta_fields=["strategy"])
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +161,8 @@ class InfluenceFactors:
 
   Attributes:
     blocks: per block name (its weight's parameter path), a `KroneckerBlock` or a
-      `DiagonalBlock`.
-    strategy: `"identity"`, `"kfac"` or `"ekfac"`.
+      `DiagonalBlock` (a `FullBlock` for `"full"`).
+    strategy: `"identity"`, `"kfac"`, `"ekfac"` or `"full"`.
     projection: the `Projector` whose projected gradients the blocks are of
       (LoGra), or `None`.
   """
@@ -228,7 +257,7 @@ def fit_influence(
     params: the trained parameters.
     batches: the training data, an iterable of batch tuples (re-iterable for
       `"ekfac"`, which reads it twice), all of one batch size.
-    strategy: `"identity"`, `"kfac"` or `"ekfac"`.
+    strategy: `"identity"`, `"kfac"`, `"ekfac"` or `"full"`.
     damping: added to every eigenvalue; `None` for 0.1 x each block's mean.
     projection: a `gl.Projector` (LoGra): the blocks are fitted, and examples
       scored, in its projected space; `None` for the whole gradients.
@@ -254,7 +283,8 @@ def fit_influence(
   api = "fit_influence"
   if strategy not in STRATEGIES:
     raise ValueError(f"{api}(strategy={strategy!r}): strategy must be one of "
-                     f"{STRATEGIES} (plain gradient products, K-FAC, EK-FAC).")
+                     f"{STRATEGIES} (plain gradient products, K-FAC, EK-FAC, each "
+                     "block's full Fisher).")
   if projection is not None and not isinstance(projection, Projector):
     raise TypeError(f"{api}(projection={type(projection).__name__}): pass a "
                     "gl.Projector (from gl.fit_projector) or None.")
@@ -295,6 +325,11 @@ def fit_influence(
       yield arrays(params, batch)
     if show:
       print(file=sys.stderr, flush=True)
+
+  if strategy == "full":
+    factors = InfluenceFactors(_full_blocks(api, each(check_first=True), passes, damping),
+                               strategy, projection)
+    return Influence(loss, params, factors, argnums=argnums, batch_argnums=batch_argnums)
 
   # Pass 1: the Kronecker factors (sums over examples x positions) and the
   # diagonal blocks' sums of squares.
@@ -362,6 +397,53 @@ def fit_influence(
   return Influence(loss, params, factors, argnums=argnums, batch_argnums=batch_argnums)
 
 
+def _flat(layout: Layout, value) -> jax.Array:
+  """`(S, B, D)`: a block's per-example gradients, flattened per layer."""
+  if layout.kind == DIAGONAL:
+    return value[None]
+  grads = _rotated(None, layout, value, rotate=False)
+  return grads.reshape(grads.shape[:2] + (-1,))
+
+
+def _full_blocks(api: str, outs, passes: _Pass, damping: float | None) -> dict:
+  """`"full"`: each block's mean `vec(G_i) vec(G_i)^T`, its eigenbasis (float64, on
+  the host) and damping."""
+  sums: dict[str, list] = {}
+  outer = jax.jit(lambda v: _common.dot("sbd,sbe->sde", v, v))
+  for out in outs:
+    for key, value in out.items():
+      flat = _flat(passes.layout[key], value)
+      if flat.shape[-1] > _FULL_MAX:
+        raise ValueError(
+            f"{api}(strategy='full'): block {key!r} has {flat.shape[-1]} gradient numbers "
+            f"per example (per layer), more than the {_FULL_MAX} whose Fisher 'full' "
+            "inverts. Project the gradients first (projection=gl.fit_projector(loss, "
+            "params, batches, k=16)) or use strategy='ekfac'.")
+      total = np.asarray(outer(flat), np.float64)
+      part = [total, flat.shape[1], passes.layout[key]]
+      sums[key] = part if key not in sums else [sums[key][0] + total,
+                                                sums[key][1] + flat.shape[1], part[2]]
+  if not sums:
+    raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
+  blocks = {}
+  for key, (total, count, layout) in sums.items():
+    q, eig, damp = fisher_eigenbasis(total / count, damping)
+    keys = (key,) if layout.bias is None else (key, layout.bias)
+    blocks[key] = FullBlock(jnp.asarray(q), jnp.asarray(eig), jnp.asarray(damp), keys)
+  return blocks
+
+
+def fisher_eigenbasis(fisher: np.ndarray, damping: float | None):
+  """`(q, eigenvalues, damping)` of `(S, D, D)` Fisher matrices, in float64:
+  eigenvalues below zero (round-off) are 0, and `damping=None` is 0.1 x the mean
+  eigenvalue per layer."""
+  eig, q = np.linalg.eigh(np.asarray(fisher, np.float64))
+  eig = np.maximum(eig, 0.0)
+  damp = (_DAMPING_FACTOR * eig.mean(axis=1) if damping is None
+          else np.full(eig.shape[:1], damping))
+  return q, eig, damp
+
+
 class Influence:
   """Influence scores of training examples, from fitted `InfluenceFactors`.
 
@@ -414,11 +496,16 @@ class Influence:
         layout = passes.layout[name]
         block = factors.blocks.get(name)
         keys = (name,) if layout.bias is None else (name, layout.bias)
-        if (block is None or (layout.kind != DIAGONAL) != isinstance(block, KroneckerBlock)
-            or block.keys != keys):
+        kind = (FullBlock if factors.strategy == "full" else
+                DiagonalBlock if layout.kind == DIAGONAL else KroneckerBlock)
+        if not isinstance(block, kind) or block.keys != keys:
           bad.append(repr(name))
-        elif _shape(block) != _shape(value, layout):
-          bad.append(f"{name!r} (fitted with {_shape(block)}, here {_shape(value, layout)})")
+        elif _shape(block) != _shape(value, layout, kind is FullBlock):
+          bad.append(f"{name!r} (fitted with {_shape(block)}, here "
+                     f"{_shape(value, layout, kind is FullBlock)})")
+        elif kind is FullBlock:  # Rotated, as a `(S, B, D, 1)` Kronecker-like array.
+          flat = _flat(layout, value)
+          out[name] = _common.dot("sbd,sde->sbe", flat, block.q.astype(flat.dtype))[..., None]
         elif layout.kind == DIAGONAL:
           out[name] = value
         else:
@@ -518,11 +605,14 @@ class Influence:
     return order[:, :k], np.argsort(scores, axis=1, kind="stable")[:, :k]
 
 
-def _shape(value, layout: Layout | None = None) -> tuple:
-  """A block's `(S, d_in, d_out)` or `(size,)`, from its factors or from one batch's
-  arrays (with their `layout`)."""
-  if isinstance(value, (KroneckerBlock, DiagonalBlock)):
+def _shape(value, layout: Layout | None = None, full: bool = False) -> tuple:
+  """A block's `(S, d_in, d_out)` or `(size,)` (`(S, D)` for a `FullBlock`), from its
+  factors or from one batch's arrays (with their `layout`)."""
+  if isinstance(value, (KroneckerBlock, DiagonalBlock, FullBlock)):
     return tuple(value.eigenvalues.shape)
+  if full:
+    shape = _shape(value, layout)
+    return (shape[0], int(np.prod(shape[1:]))) if layout.kind != DIAGONAL else (1, shape[0])
   if layout.kind == DIAGONAL:
     return tuple(value.shape[1:])
   x, g = value
@@ -538,4 +628,6 @@ def _divide(factors: InfluenceFactors, name: str, g):
     return g
   if isinstance(block, KroneckerBlock):
     return g / (block.eigenvalues + block.damping[:, None, None])[:, None]
+  if isinstance(block, FullBlock):  # `g` as `(S, B, D, 1)`.
+    return g / (block.eigenvalues + block.damping[:, None])[:, None, :, None]
   return g / (block.eigenvalues + block.damping)

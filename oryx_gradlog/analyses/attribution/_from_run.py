@@ -1,6 +1,6 @@
-"""Attribution from a training run's own log: TracIn and the examples behind a loss
-spike, from the projected per-example gradients (`gl.projected_grads`) that each
-step logged, without running the model again.
+"""Attribution from a training run's own log: TracIn, influence and the examples
+behind a loss spike, from the projected per-example gradients (`gl.projected_grads`)
+that each step logged, without running the model again.
 
 A run for these logs, at every step (names are the defaults of the arguments):
 
@@ -16,6 +16,12 @@ A run for these logs, at every step (names are the defaults of the arguments):
 (the first-order change of q's loss that training on z caused, with the sign that
 makes a helpful example positive). `tracin_self_influence` is `sum_t lr_t |g_t(z)|^2`
 (large for examples the model keeps fighting: often mislabelled ones).
+
+`influence_from_run` is `fit_influence(..., strategy="full", projection=...)` from
+the logged gradients of some steps (an evaluation pass over the training set at the
+final parameters, logged with the learning rate 0, or the last epoch): each block's
+Fisher from their training gradients, and the scores of the last of those steps'
+query gradients against every training example.
 
 `loss_spikes` finds the logged steps whose loss rose most above the median of the
 steps before, and for each splits the rise among the previous step's examples: example `i` of batch
@@ -43,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from oryx_gradlog.analyses.attribution._influence import fisher_eigenbasis
 from oryx_gradlog.storage._store import open_run
 
 
@@ -50,9 +57,9 @@ def _dataset(run: Any):
   return open_run(run) if isinstance(run, (str, os.PathLike)) else run
 
 
-def _grads(api: str, dataset, key: str) -> np.ndarray:
-  """`(steps, n, D)`: the `ProjectedGrads` logged under `key`, every block flattened
-  and concatenated in sorted block order."""
+def _blocks(api: str, dataset, key: str, steps=slice(None)) -> dict[str, np.ndarray]:
+  """Per block, `(steps, n, S, D)`: the `ProjectedGrads` logged under `key`, each
+  layer's gradient flattened (a diagonal block's `S` is 1)."""
   prefix = f"{key}.grads."
   names = sorted(str(n) for n in dataset.data_vars if str(n).startswith(prefix))
   if not names:
@@ -61,11 +68,20 @@ def _grads(api: str, dataset, key: str) -> np.ndarray:
         f"{prefix}...; its variables: {sorted(map(str, dataset.data_vars))[:12]}). Log "
         f"gl.projected_grads(records, projector) at every step, e.g. log.append(step, "
         f"{{{key!r}: projected, ...}}), or pass the key you logged them under.")
-  parts = []
+  out = {}
   for name in names:
-    values = np.asarray(dataset[name].values, np.float64)
-    parts.append(values.reshape(values.shape[0], values.shape[1], -1))
-  return np.concatenate(parts, axis=2)
+    values = np.asarray(dataset[name].values[steps], np.float64)
+    out[name[len(prefix):]] = (values.reshape(values.shape[:3] + (-1,)) if values.ndim == 5
+                               else values[:, :, None])
+  return out
+
+
+def _grads(api: str, dataset, key: str) -> np.ndarray:
+  """`(steps, n, D)`: the `ProjectedGrads` logged under `key`, every block flattened
+  and concatenated in sorted block order."""
+  blocks = _blocks(api, dataset, key)
+  return np.concatenate([v.reshape(v.shape[:2] + (-1,)) for _, v in sorted(blocks.items())],
+                        axis=2)
 
 
 def _series(api: str, dataset, key: str, what: str) -> np.ndarray:
@@ -138,7 +154,28 @@ def tracin_self_influence(run: Any, *, train: str = "train", ids: str = "ids",
                           ) -> np.ndarray:
   """Returns `(num_examples,)`: `sum_t lr_t |g_t(z)|^2` over the logged steps.
 
-  Args and the run's keys as for `tracin` (no query).
+  Args:
+    run: a run folder written by `gl.RunLog`, or `gl.open_run`'s dataset.
+    train: the key of each step's training `ProjectedGrads`.
+    ids: the key of each step's example ids.
+    lr: the key of each step's learning rate.
+    num_examples: the training set's size (default: the largest id + 1).
+
+  Returns:
+    A NumPy array: large for examples the training kept pushing against.
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda p, x: jnp.mean(jnp.sum((x @ p["w"]) ** 2, axis=-1))
+    >>> params, x = {"w": jnp.ones((3, 2))}, jnp.eye(3)
+    >>> projector = gl.fit_projector(loss, params, [(x,)], k=4)
+    >>> records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir) as log:
+    ...   log.append(0, {"train": gl.projected_grads(records, projector),
+    ...                  "ids": jnp.arange(3), "lr": jnp.float32(0.1)})
+    >>> gl.tracin_self_influence(run_dir).round(2)  # 0.1 |g|^2: 0.1 * 8 each
+    array([0.8, 0.8, 0.8])
   """
   api = "tracin_self_influence"
   dataset = _dataset(run)
@@ -151,6 +188,72 @@ def tracin_self_influence(run: Any, *, train: str = "train", ids: str = "ids",
     if np.isfinite(rate[step]):
       np.add.at(own, example[step], rate[step] * np.sum(t[step] ** 2, axis=1))
   return own
+
+
+def influence_from_run(run: Any, *, steps: Any = None, train: str = "train",
+                       query: str = "query", ids: str = "ids", damping: float | None = None,
+                       num_examples: int | None = None) -> np.ndarray:
+  """Returns `(n_query, num_examples)` influence scores from logged projected gradients.
+
+  As `gl.fit_influence(loss, params, batches, strategy="full", projection=projector)
+  .scores(queries, batches)`, for steps that logged every training example at the
+  same parameters (see the module docstring), without the model.
+
+  Args:
+    run: a run folder written by `gl.RunLog`, or `gl.open_run`'s dataset.
+    steps: the logged steps to use, a slice or indices into the run's steps
+      (default: all).
+    train: the key of each step's training `ProjectedGrads`.
+    query: the key of the query `ProjectedGrads` (those of the last step used).
+    ids: the key of each step's example ids.
+    damping: added to every eigenvalue; `None` for 0.1 x each block's mean.
+    num_examples: the training set's size (default: the largest id + 1).
+
+  Returns:
+    A NumPy array: positive where training on the example lowers the query's loss.
+    An example logged at several of the steps gets the mean of its scores.
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda p, x: jnp.mean(jnp.sum(jnp.tanh(x @ p["w"]) ** 2, axis=-1))
+    >>> params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 8)) / 3}
+    >>> x = jax.random.normal(jax.random.PRNGKey(1), (12, 8))
+    >>> projector = gl.fit_projector(loss, params, [(x,)], k=2)
+    >>> grads = lambda x: gl.projected_grads(
+    ...     gl.reap(jax.grad(gl.record_layers(loss)))(params, x), projector)
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir) as log:  # An influence pass: every example, lr 0.
+    ...   for step in range(3):
+    ...     rows = jnp.arange(4) + 4 * step
+    ...     log.append(step, {"train": grads(x[rows]), "query": grads(x[:2]),
+    ...                       "ids": rows, "lr": jnp.float32(0.0)})
+    >>> gl.influence_from_run(run_dir).shape  # (queries, training examples)
+    (2, 12)
+  """
+  api = "influence_from_run"
+  dataset = _dataset(run)
+  chosen = slice(None) if steps is None else steps
+  train_blocks = _blocks(api, dataset, train, chosen)
+  query_blocks = {name: v[-1] for name, v in _blocks(api, dataset, query, chosen).items()}
+  if set(train_blocks) != set(query_blocks):
+    raise ValueError(f"{api}: the query and training gradients have other blocks "
+                     f"({sorted(query_blocks)} and {sorted(train_blocks)}); log both with "
+                     "the same projector.")
+  first = next(iter(train_blocks.values()))
+  example = _ids(api, dataset, ids, first.shape[1])[chosen].reshape(-1)
+  n = int(example.max()) + 1 if num_examples is None else num_examples
+  total = 0.0
+  for name, grads in train_blocks.items():
+    grads = grads.reshape((-1,) + grads.shape[2:])  # (N, S, D)
+    fisher = np.einsum("nsd,nse->sde", grads, grads) / grads.shape[0]
+    q, eig, damp = fisher_eigenbasis(fisher, damping)
+    rotated = np.einsum("nsd,sde->nse", grads, q)
+    pre = np.einsum("qsd,sde->qse", query_blocks[name], q) / (eig + damp[:, None])
+    total = total + np.einsum("qse,nse->qn", pre, rotated)
+  scores, counts = np.zeros((total.shape[0], n)), np.zeros(n)
+  np.add.at(scores.T, example, total.T)
+  np.add.at(counts, example, 1)
+  return scores / np.maximum(counts, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +305,21 @@ def loss_spikes(run: Any, *, top: int = 3, window: int = 5, loss: str = "loss",
   Returns:
     A list of `LossSpike`, the largest rise first (only rises: fewer than `top`
     where the loss rose less often).
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp, oryx_gradlog as gl
+    >>> loss = lambda p, x: jnp.mean(jnp.sum((x @ p["w"]) ** 2, axis=-1))
+    >>> params, x = {"w": jnp.ones((3, 2))}, jnp.eye(3)
+    >>> projector = gl.fit_projector(loss, params, [(x,)], k=4)
+    >>> records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+    >>> run_dir = tempfile.mkdtemp()
+    >>> with gl.RunLog(run_dir) as log:
+    ...   for step, value in enumerate([1.0, 4.0]):  # The loss rises at step 1.
+    ...     log.append(step, {"train": gl.projected_grads(records, projector),
+    ...                       "ids": jnp.arange(3), "lr": jnp.float32(0.1),
+    ...                       "loss": jnp.float32(value)})
+    >>> [(s.step, s.cause, s.rise, s.ids.tolist()) for s in gl.loss_spikes(run_dir)]
+    [(1, 0, 3.0, [0, 1, 2])]
   """
   api = "loss_spikes"
   if not (isinstance(top, int) and top >= 1):

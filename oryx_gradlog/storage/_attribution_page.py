@@ -1,0 +1,145 @@
+"""The report's attribution page, and its text for the command line, of a run that
+logged projected per-example gradients (`gl.projected_grads`) with example ids.
+
+`attribution_page(dataset, out_dir, plt)` writes `attribution.html` and
+`attribution.png` (the loss over steps, its largest rises marked), when the run has
+the keys of `gl.tracin` and `gl.loss_spikes` (`train`, `ids`, `lr`; `loss` for the
+spikes, `query` for the queries' helpful and harmful examples):
+
+* the steps where the loss rose most, and for each the examples of the step before
+  that pushed it up, with their first-order shares;
+* the training examples of the largest TracIn self-influence (mislabelled or
+  unusual examples are often among them);
+* per query, its most helpful and most harmful training examples by TracIn.
+
+`attribution_text(dataset)` is the same as plain text (`python -m oryx_gradlog
+attribute RUN_DIR`).
+
+Sharp edges:
+  * The keys are `gl.tracin`'s defaults; a run logged under other keys has no page.
+  * Example ids are the ones logged; the page does not know the examples themselves.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from typing import Any
+
+import numpy as np
+
+from oryx_gradlog.analyses.attribution import _from_run
+
+_SHOWN = 5  # Examples per spike and per query.
+
+
+def has_attribution(dataset) -> bool:
+  names = [str(n) for n in dataset.data_vars]
+  return ("ids" in names and "lr" in names
+          and any(n.startswith("train.grads.") for n in names))
+
+
+def _findings(dataset, top: int) -> dict[str, Any]:
+  found: dict[str, Any] = {"own": _from_run.tracin_self_influence(dataset)}
+  found["spikes"] = _from_run.loss_spikes(dataset, top=top) if "loss" in dataset else []
+  if any(str(n).startswith("query.grads.") for n in dataset.data_vars):
+    found["scores"] = _from_run.tracin(dataset, num_examples=found["own"].size)
+  return found
+
+
+def _examples(ids, values) -> str:
+  return ", ".join(f"{int(i)} ({v:+.3g})" for i, v in zip(ids, values))
+
+
+def attribution_text(dataset, *, top: int = 5) -> str:
+  """The page's findings as plain text."""
+  found = _findings(dataset, top)
+  lines = []
+  for spike in found["spikes"]:
+    lines.append(f"step {spike.step}: loss {spike.rise:+.4g} above the steps before "
+                 f"({spike.explained:+.4g} from step {spike.cause}'s update); pushed up by "
+                 f"{_examples(spike.ids[:_SHOWN], spike.contributions[:_SHOWN])}")
+  if not found["spikes"]:
+    lines.append("no rise of the logged loss" if "loss" in dataset
+                 else "no 'loss' logged: no spikes")
+  own = found["own"]
+  order = np.argsort(-own, kind="stable")[:top * 2]
+  lines.append("highest TracIn self-influence: " + _examples(order, own[order]))
+  if "scores" in found:
+    for q, row in enumerate(found["scores"]):
+      best, worst = np.argsort(-row, kind="stable"), np.argsort(row, kind="stable")
+      lines.append(f"query {q}: helpful {_examples(best[:_SHOWN], row[best[:_SHOWN]])}; "
+                   f"harmful {_examples(worst[:_SHOWN], row[worst[:_SHOWN]])}")
+  return "\n".join(lines)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
+  head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+  body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+                 for row in rows)
+  return f"<div class='table'><table><tr>{head}</tr>{body}</table></div>"
+
+
+def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
+  """Writes `attribution.html` (and `attribution.png` where the run logged its loss);
+  returns its path, or `None` for a run without projected gradients and ids."""
+  if not has_attribution(dataset):
+    return None
+  from oryx_gradlog.storage import _report  # pylint: disable=import-outside-toplevel
+  found = _findings(dataset, top)
+  sections = []
+  if "loss" in dataset:
+    steps = np.asarray(dataset["step"].values)
+    loss = np.asarray(dataset["loss"].values, np.float64)
+    spikes = found["spikes"]
+
+    def draw(phone: bool):
+      fig, ax = plt.subplots(figsize=(6, 4) if phone else (11, 3.5), layout="constrained")
+      ax.plot(steps, loss, lw=1, label="loss")
+      if spikes:
+        ax.scatter([s.step for s in spikes], [loss[steps == s.step][0] for s in spikes],
+                   color="C3", zorder=3, label="largest rises")
+      ax.set(xlabel="step", ylabel="loss", title="Loss, its largest rises marked")
+      _report.step_axis(ax)
+      ax.legend(loc="upper right")
+      return fig
+
+    image = _report.save_figure(draw, out_dir, "attribution.png", plt)
+    sections.append(_report.figure_section(
+        "spikes", "Loss spikes and the examples that caused them", image,
+        "the logged loss over steps, its largest rises marked",
+        "Each rise is the loss less the median of the steps before it; its examples are "
+        "those of the step before, ordered by their first-order share of the rise "
+        "(-lr <g_i, g_next>: positive pushed the loss up). A rise that the update "
+        "explains little of is the batch's own (unusual or mislabelled examples)."))
+    rows = [(s.step, f"{s.rise:+.4g}", s.cause, f"{s.explained:+.4g}",
+             _examples(s.ids[:_SHOWN], s.contributions[:_SHOWN])) for s in spikes]
+    sections[-1] = sections[-1]._replace(body=sections[-1].body + _table(
+        ("step", "rise", "update of step", "explained", "examples (share)"), rows))
+  own = found["own"]
+  order = np.argsort(-own, kind="stable")[:top * 4]
+  sections.append(_report.Section(
+      "self-influence", "Training examples of the highest TracIn self-influence",
+      "<p>sum over the logged steps of lr |g|^2 of each example's projected gradient: "
+      "the examples training kept pushing against (mislabelled or unusual ones are "
+      "often among them).</p>" +
+      _table(("example", "self-influence"), [(int(i), f"{own[i]:.4g}") for i in order])))
+  if "scores" in found:
+    rows = []
+    for q, row in enumerate(found["scores"]):
+      best, worst = np.argsort(-row, kind="stable"), np.argsort(row, kind="stable")
+      rows.append((q, _examples(best[:_SHOWN], row[best[:_SHOWN]]),
+                   _examples(worst[:_SHOWN], row[worst[:_SHOWN]])))
+    sections.append(_report.Section(
+        "queries", "Each query's most helpful and most harmful training examples",
+        "<p>TracIn over the logged steps: sum of lr &lt;g(query), g(example)&gt; "
+        "(positive: training on the example lowered the query's loss).</p>" +
+        _table(("query", "most helpful (score)", "most harmful (score)"), rows)))
+  page = os.path.join(out_dir, "attribution.html")
+  intro = ("<p>From the projected per-example gradients the run logged at each step "
+           "(gl.projected_grads), without running the model again. <a href='index.html'>"
+           "Run report</a></p>")
+  with open(page, "w", encoding="utf-8") as f:
+    f.write(_report.page_html("oryx_gradlog attribution", "Training-data attribution",
+                          intro, sections))
+  return page
