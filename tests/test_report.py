@@ -324,15 +324,27 @@ def test_dashboard_fills_the_width_labels_every_panel_and_names_parameters(
   plt.close(fig)
 
 
+@pytest.fixture(scope="module")
+def attribution_run(tmp_path_factory):
+  """A run that logged projected per-example gradients, ids and queries (TracIn)."""
+  from test_tracin import _mlp_run  # pylint: disable=import-outside-toplevel
+  folder = tmp_path_factory.mktemp("attribution")
+  _mlp_run(folder, k=2)
+  return folder / "run"
+
+
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.mark.skipif(BROWSER is None, reason="no chromium (apt-get install chromium)")
 @pytest.mark.parametrize("width", [390, 1400], ids=["phone", "desktop"])
-@pytest.mark.parametrize("run", ["layers_run", "instruments_run"], ids=["index", "dashboard"])
+@pytest.mark.parametrize("run", ["layers_run", "instruments_run", "attribution_run"],
+                         ids=["index", "dashboard", "attribution"])
 def test_pages_fit_a_phone_and_a_desktop_in_a_headless_browser(request, tmp_path, run, width):
   page = pathlib.Path(gl.report(request.getfixturevalue(run), tmp_path / "report",
                                 progress=False))
+  if run == "attribution_run":
+    page = page.with_name("attribution.html")
   # The page in a frame of `width` (a headless window is at least 500 px wide), and a
   # script that reports the frame's width, the page's, and each image's source, decoded
   # width and right edge.
