@@ -771,7 +771,7 @@ def _batch_norm_loss():
 def test_weight_decay_in_the_loss_is_an_error_naming_the_parameter_and_the_op():
   loss, params, x, y = _weight_decay_loss()
   with pytest.raises(ValueError, match=r"clipped_grad: these parameters have no "
-                     r"per-example gradient: 'w2' \((mul|add) .*no batch axis.*"
+                     r"per-example gradient: 'w2' \((mul|add)\b.*no batch axis.*"
                      r"optax.add_decayed_weights"):
     gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x, y)
   records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x, y)

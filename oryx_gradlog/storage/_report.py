@@ -222,7 +222,8 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
   series = series_names(dataset)
   attribution = _attribution_page.attribution_page(dataset, out_dir, plt)
   if attribution:  # Projected gradients and ids are that page's, not panels of their own.
-    series = [n for n in series if n != "ids" and not n.startswith(("train.", "query."))]
+    series = [n for n in series
+              if n != "ids" and not n.startswith(("train.grads.", "query.grads."))]
   dashboard = dashboard_page(dataset, run_dir, out_dir, plt,
                              report_link=bool(groups or series))
   if not groups and not series and dashboard:
