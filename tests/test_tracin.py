@@ -77,6 +77,9 @@ def test_tracin_with_an_exact_projection_is_the_sum_of_lr_weighted_gradient_prod
   np.testing.assert_allclose(scores, expected, rtol=2e-4, atol=1e-6 * np.abs(expected).max())
   np.testing.assert_allclose(gl.tracin_self_influence(tmp_path / "run"), own, rtol=2e-4)
   assert gl.tracin(gl.open_run(tmp_path / "run"), num_examples=N + 5).shape == (Q, N + 5)
+  with pytest.raises(ValueError, match=r"tracin_self_influence\(num_examples=3\): the run "
+                     r"has ids up to 11"):
+    gl.tracin_self_influence(tmp_path / "run", num_examples=3)
 
 
 def test_tracin_of_projected_gradients_is_the_sum_of_their_products(tmp_path):

@@ -101,6 +101,17 @@ def _ids(api: str, dataset, key: str, batch: int) -> np.ndarray:
   return ids
 
 
+def _count(api: str, example: np.ndarray, num_examples: int | None) -> int:
+  """The training set's size: `num_examples`, checked against the ids, or the
+  largest id + 1."""
+  if num_examples is None:
+    return int(example.max()) + 1
+  if example.max() >= num_examples:
+    raise ValueError(f"{api}(num_examples={num_examples}): the run has ids up to "
+                     f"{example.max()}; pass the training set's size, or None.")
+  return num_examples
+
+
 def tracin(run: Any, *, train: str = "train", query: str = "query", ids: str = "ids",
            lr: str = "lr", num_examples: int | None = None) -> np.ndarray:
   """Returns `(n_query, num_examples)` TracIn scores over the logged steps.
@@ -138,9 +149,7 @@ def tracin(run: Any, *, train: str = "train", query: str = "query", ids: str = "
                      f"{t.shape[2]} numbers; log both with the same projector.")
   example = _ids(api, dataset, ids, t.shape[1])
   rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
-  n = int(example.max()) + 1 if num_examples is None else num_examples
-  if example.max() >= n:
-    raise ValueError(f"{api}(num_examples={n}): the run has ids up to {example.max()}.")
+  n = _count(api, example, num_examples)
   scores = np.zeros((q.shape[1], n))
   for step in range(t.shape[0]):
     if not np.isfinite(rate[step]):  # A step that logged no learning rate.
@@ -182,7 +191,7 @@ def tracin_self_influence(run: Any, *, train: str = "train", ids: str = "ids",
   t = _grads(api, dataset, train)
   example = _ids(api, dataset, ids, t.shape[1])
   rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
-  n = int(example.max()) + 1 if num_examples is None else num_examples
+  n = _count(api, example, num_examples)
   own = np.zeros(n)
   for step in range(t.shape[0]):
     if np.isfinite(rate[step]):
@@ -241,7 +250,7 @@ def influence_from_run(run: Any, *, steps: Any = None, train: str = "train",
                      "the same projector.")
   first = next(iter(train_blocks.values()))
   example = _ids(api, dataset, ids, first.shape[1])[chosen].reshape(-1)
-  n = int(example.max()) + 1 if num_examples is None else num_examples
+  n = _count(api, example, num_examples)
   total = 0.0
   for name, grads in train_blocks.items():
     grads = grads.reshape((-1,) + grads.shape[2:])  # (N, S, D)

@@ -233,45 +233,49 @@ def fit_projector(
     raise TypeError(f"{api}(argnums={argnums!r}): one positional argument holds the "
                     "parameters (an int); gather several into one tree.")
   gradients = Gradients(api, loss, argnums, batch_argnums)
-  arrays = jax.jit(lambda p, b: block_arrays(api, gradients.records(p, b))[0])
-  layout: dict[str, Layout] = {}
+  layout: dict[str, Layout] = {}  # Filled when `arrays` is traced.
 
-  def layouts(params, batch):
+  def arrays(params, batch):
     out, found = block_arrays(api, gradients.records(params, batch))
     layout.update(found)
     return out
 
-  batches = iter(batches) if init == "random" else batches
-  first = next(iter(batches), None)
-  if first is None:
-    raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
-  shapes = jax.eval_shape(layouts, params, tuple(first))
-  if init == "random":
-    return _random(shapes, layout, k, seed)
+  if init == "random":  # The first batch's shapes are all it needs.
+    first = next(iter(batches), None)
+    if first is None:
+      raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
+    return _random(jax.eval_shape(arrays, params, tuple(first)), layout, k, seed)
   sums: dict[str, list] = {}
-  for batch in ([first] + list(batches)) if iter(batches) is batches else batches:
-    out = arrays(params, tuple(batch))
-    for name, value in out.items():
+  jitted = jax.jit(arrays)
+  for batch in batches:
+    for name, value in jitted(params, tuple(batch)).items():
       parts = factor_sums(layout[name], value)
       sums[name] = parts if name not in sums else [u + v for u, v in zip(sums[name], parts)]
+  if not sums:
+    raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
   return _pca(sums, layout, k)
+
+
+def _gaussian(key, *shape) -> jax.Array:
+  """Entries of variance `1 / k` (`k` the last axis): inner products kept in
+  expectation."""
+  return jax.random.normal(key, shape) / np.sqrt(shape[-1])
 
 
 def _random(shapes, layout: dict[str, Layout], k: int, seed: int) -> Projector:
   blocks = {}
   for i, name in enumerate(sorted(shapes)):
     key = jax.random.fold_in(jax.random.PRNGKey(seed), i)
-    gaussian = lambda key, *shape: jax.random.normal(key, shape) / np.sqrt(shape[-1])
     if layout[name].kind == DIAGONAL:
       size = shapes[name].shape[1]
-      blocks[name] = (gaussian(key, size, k * k) if size > k * k else None, None)
+      blocks[name] = (_gaussian(key, size, k * k) if size > k * k else None, None)
       continue
     x, g = shapes[name]
     stacks, d_out = g.shape[0], g.shape[-1]
     d_in = layout[name].vocabulary if layout[name].kind == EMBED else x.shape[-1]
     key_in, key_out = jax.random.split(key)
-    blocks[name] = (gaussian(key_in, stacks, d_in, k) if d_in > k else None,
-                    gaussian(key_out, stacks, d_out, k) if d_out > k else None)
+    blocks[name] = (_gaussian(key_in, stacks, d_in, k) if d_in > k else None,
+                    _gaussian(key_out, stacks, d_out, k) if d_out > k else None)
   return Projector(blocks, k, "random")
 
 
