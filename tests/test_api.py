@@ -1,6 +1,5 @@
 """The public surface and the import-time version guard."""
 
-import re
 
 import pytest
 
