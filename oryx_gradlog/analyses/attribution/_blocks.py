@@ -108,6 +108,20 @@ def block_arrays(api: str, records: dict) -> tuple[dict[str, Any], dict[str, Lay
   return out, layout
 
 
+def per_example(layout: Layout, value) -> jax.Array:
+  """`(S, B, i, o)`: a Kronecker block's gradient `sum_t a_t g_t^T` of each example
+  from its arrays `(x, g)` (an embedding's `a_t` is the one-hot of its id, so its
+  rows are scattered into the vocabulary); a diagonal block's `(B, n)` as it is."""
+  if layout.kind == DIAGONAL:
+    return value
+  x, g = value
+  if layout.kind == EMBED:
+    def scatter(ids, g):
+      return jnp.zeros((layout.vocabulary, g.shape[-1]), g.dtype).at[ids].add(g)
+    return jax.vmap(jax.vmap(scatter))(x, g)
+  return _common.dot("sbti,sbto->sbio", x, g)
+
+
 def factor_sums(layout: Layout, value) -> list:
   """One batch's sums for a block: `[A, S, positions]` (an embedding's `A` as the
   `(S, V)` counts of its ids), or a diagonal block's `[sum of squares, examples]`."""

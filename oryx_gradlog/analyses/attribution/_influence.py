@@ -76,7 +76,7 @@ import numpy as np
 
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.attribution._blocks import (
-    DIAGONAL, Gradients, Layout, block_arrays, factor_sums)
+    DIAGONAL, Gradients, Layout, block_arrays, factor_sums, per_example)
 from oryx_gradlog.analyses.attribution._projection import Projector, project
 from oryx_gradlog.record._kinds import EMBED
 
@@ -220,19 +220,15 @@ class _Pass:
 
 
 def _rotated(block: KroneckerBlock, layout: Layout, value, rotate: bool = True):
-  """`(S, B, i, o)`: each example's gradient `sum_t a_t g_t^T` in the block's
-  eigenbasis (as it is, with `rotate=False`); an embedding's `a_t` is the one-hot
-  of its id, so its rows are scattered into the vocabulary."""
+  """`(S, B, i, o)`: each example's gradient (`_blocks.per_example`) in the block's
+  eigenbasis (as it is, with `rotate=False`; an embedding's inputs are one-hot, in
+  the identity basis)."""
   x, g = value
   if rotate:
     g = _common.dot("sbto,sop->sbtp", g, block.q_s.astype(g.dtype))
-  if layout.kind == EMBED:
-    def scatter(ids, g):
-      return jnp.zeros((layout.vocabulary, g.shape[-1]), g.dtype).at[ids].add(g)
-    return jax.vmap(jax.vmap(scatter))(x, g)
-  if rotate:
-    x = _common.dot("sbti,sij->sbtj", x, block.q_a.astype(x.dtype))
-  return _common.dot("sbti,sbto->sbio", x, g)
+    if layout.kind != EMBED:
+      x = _common.dot("sbti,sij->sbtj", x, block.q_a.astype(x.dtype))
+  return per_example(layout, (x, g))
 
 
 def fit_influence(
@@ -399,9 +395,9 @@ def fit_influence(
 
 def _flat(layout: Layout, value) -> jax.Array:
   """`(S, B, D)`: a block's per-example gradients, flattened per layer."""
+  grads = per_example(layout, value)
   if layout.kind == DIAGONAL:
-    return value[None]
-  grads = _rotated(None, layout, value, rotate=False)
+    return grads[None]
   return grads.reshape(grads.shape[:2] + (-1,))
 
 

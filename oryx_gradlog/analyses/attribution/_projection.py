@@ -42,7 +42,7 @@ import numpy as np
 
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.attribution._blocks import (
-    DIAGONAL, KRONECKER, Gradients, Layout, block_arrays, factor_sums)
+    DIAGONAL, KRONECKER, Gradients, Layout, block_arrays, factor_sums, per_example)
 from oryx_gradlog.record._kinds import EMBED
 
 INITS = ("random", "pca")
@@ -130,19 +130,6 @@ def project(api: str, projector: Projector, arrays: dict[str, Any],
   return out, new_layout
 
 
-def _per_example(layout: Layout, value) -> jax.Array:
-  """A block's per-example gradient from its (projected) arrays: `(B, S, i, o)`, or
-  a diagonal block's `(B, n)`."""
-  if layout.kind == DIAGONAL:
-    return value
-  x, g = value
-  if layout.kind == EMBED:  # Kept whole: the rows scattered into the vocabulary.
-    scatter = lambda ids, g: jnp.zeros((layout.vocabulary, g.shape[-1]), g.dtype).at[
-        ids].add(g)
-    return jnp.swapaxes(jax.vmap(jax.vmap(scatter))(x, g), 0, 1)
-  return _common.dot("sbti,sbto->bsio", x, g)
-
-
 def projected_grads(records: dict, projector: Projector) -> ProjectedGrads:
   """Returns LoGra's projected per-example gradients of one backward pass's records.
 
@@ -171,8 +158,9 @@ def projected_grads(records: dict, projector: Projector) -> ProjectedGrads:
   api = "projected_grads"
   arrays, layout = block_arrays(api, records)
   arrays, layout = project(api, projector, arrays, layout)
-  return ProjectedGrads({name: _per_example(layout[name], value)
-                         for name, value in arrays.items()})
+  grads = {name: per_example(layout[name], value) for name, value in arrays.items()}
+  return ProjectedGrads({name: g if layout[name].kind == DIAGONAL else jnp.swapaxes(g, 0, 1)
+                         for name, g in grads.items()})
 
 
 def _top(matrix: np.ndarray, k: int) -> np.ndarray:
