@@ -29,25 +29,30 @@ def _batches(*arrays, size=B):
 # The dense formulas, from per-block per-example quantities (float64).
 
 
-def _reference(strategy, blocks, queries, damping=None):
+def _reference(strategy, blocks, queries, damping=None, train=None):
   """`blocks`: per block, `("kron", a (N, T, i), g (N, T, o), G (N, i, o))` or
   `("diag", G (N, n))` of the training examples; `queries`: per block its query
-  gradients `(Q, i, o)` or `(Q, n)`. Returns `(Q, N)` scores."""
+  gradients `(Q, i, o)` or `(Q, n)`; `train`: per block the training gradients
+  scored (default: the blocks' `G`, which the curvature is fitted from). Returns
+  `(Q, N)` scores."""
   total = 0.0
-  for block, gq in zip(blocks, queries):
+  train = [b[-1] for b in blocks] if train is None else train
+  for block, gq, scored in zip(blocks, queries, train):
+    scored = np.asarray(scored, np.float64)
     if strategy == "full":  # Each block's whole Fisher of its flattened gradients.
       grads = np.asarray(block[-1], np.float64).reshape(block[-1].shape[0], -1)
       fisher = grads.T @ grads / grads.shape[0]
       eig = np.maximum(np.linalg.eigvalsh(fisher), 0.0)
       damp = 0.1 * eig.mean() if damping is None else damping
       gq = np.asarray(gq, np.float64).reshape(gq.shape[0], -1)
-      total = total + gq @ np.linalg.solve(fisher + damp * np.eye(len(fisher)), grads.T)
+      total = total + gq @ np.linalg.solve(fisher + damp * np.eye(len(fisher)),
+                                           scored.reshape(scored.shape[0], -1).T)
       continue
     if block[0] == "kron":
       _, a, g, grads = (np.asarray(v, np.float64) if not isinstance(v, str) else v
                         for v in block)
       if strategy == "identity":
-        total = total + np.einsum("qio,nio->qn", gq, grads)
+        total = total + np.einsum("qio,nio->qn", gq, scored)
         continue
       count = a.shape[0] * a.shape[1]
       e_a, q_a = np.linalg.eigh(np.einsum("nti,ntj->ij", a, a) / count)
@@ -59,15 +64,15 @@ def _reference(strategy, blocks, queries, damping=None):
       damp = 0.1 * eig.mean() if damping is None else damping
       rotated = np.einsum("ij,qio,op->qjp", q_a, gq, q_s) / (eig + damp)
       pre = np.einsum("ij,qjp,op->qio", q_a, rotated, q_s)
-      total = total + np.einsum("qio,nio->qn", pre, grads)
+      total = total + np.einsum("qio,nio->qn", pre, scored)
     else:
       grads = np.asarray(block[1], np.float64)
       if strategy == "identity":
-        total = total + gq @ grads.T
+        total = total + gq @ scored.T
         continue
       eig = np.mean(grads ** 2, axis=0)
       damp = 0.1 * eig.mean() if damping is None else damping
-      total = total + (gq / (eig + damp)) @ grads.T
+      total = total + (gq / (eig + damp)) @ scored.T
   return total
 
 
@@ -143,6 +148,39 @@ def test_mlp_scores_match_the_dense_formulas(strategy):
   # Blocks: each dense layer with its bias, the scale alone.
   assert {k: b.keys for k, b in influence.factors.blocks.items()} == {
       "w1": ("w1", "b1"), "w2": ("w2", "b2"), "s": ("s",)}
+  # Queries a block at a time (one batch of 2, then 1): the same scores.
+  blocked = influence.scores(_batches(*query, size=2), _batches(*train), query_block=2)
+  _assert_scores(blocked, scores, tol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_sampled_labels_fit_the_true_fisher(strategy):
+  """The curvature from the gradients at labels drawn from the model (a Gaussian
+  likelihood: targets drawn around the prediction), batch i's with fold_in(key, i);
+  the scores of the data's own labels."""
+  params, x, t, forward, loss = _mlp()
+  train, query = (x[:N], t[:N]), (x[N:], t[N:])
+  key = jax.random.PRNGKey(7)
+
+  def sampled_loss(p, x, t, key):  # The model once; labels drawn from its output.
+    y, _ = forward(p, x)
+    drawn = lax.stop_gradient(y) + jax.random.normal(key, t.shape)
+    return jnp.mean(0.5 * jnp.sum((y - drawn) ** 2, axis=-1))
+
+  influence = gl.fit_influence(loss, params, _batches(*train), strategy=strategy,
+                               sampled_loss=sampled_loss, key=key)
+  scores = influence.scores(_batches(*query), _batches(*train))
+  drawn = jnp.concatenate([
+      forward(params, xb)[0] + jax.random.normal(jax.random.fold_in(key, i), tb.shape)
+      for i, (xb, tb) in enumerate(_batches(*train))])
+  blocks = _mlp_blocks(params, train[0], drawn, forward, loss)
+  scored = [b[-1] for b in _mlp_blocks(params, *train, forward, loss)]
+  queries = [b[-1] for b in _mlp_blocks(params, *query, forward, loss)]
+  _assert_scores(scores, _reference(strategy, blocks, queries, train=scored))
+  # Not the empirical Fisher's scores.
+  empirical = gl.fit_influence(loss, params, _batches(*train), strategy=strategy)
+  assert not np.allclose(empirical.scores(_batches(*query), _batches(*train)), scores,
+                         rtol=1e-2)
 
 
 def test_damping_given_and_hand_marked_layers_give_the_same_scores():
@@ -281,8 +319,15 @@ def test_bad_input_is_a_clear_error():
     gl.fit_influence(loss, params, iter(train))
   with pytest.raises(ValueError, match="strategy must be one of"):
     gl.fit_influence(loss, params, train, strategy="lissa")
+  with pytest.raises(ValueError, match=r"fit_influence\(key=...\): the key is for "
+                     "sampled_loss"):
+    gl.fit_influence(loss, params, train, key=jax.random.PRNGKey(1))
   influence = gl.fit_influence(loss, params, train, strategy="kfac")
   twice = lambda p, x, t: loss(p, x, t) + jnp.mean(x @ p["w1"])  # w1 used twice
+  with pytest.raises(TypeError, match="`train_batches` is an iterator"):
+    influence.scores(train, iter(train), query_block=2)
+  with pytest.raises(ValueError, match=r"query_block=0\): give a positive number"):
+    influence.scores(train, train, query_block=0)
   with pytest.raises(ValueError, match=r"parameters 'b1', 'w1' are not covered by the "
                      r"fitted factors as they are used here"):
     influence.scores(train, train, measurement=twice)

@@ -374,7 +374,37 @@ def test_exact_hessian_diagonal_and_tic_match_the_dense_hessian(layers):
     gl.training_instruments("business", exact_diagonal="yes")
 
 
-def test_gradient_histograms_on_every_layer_kind_match_vmap_grad():
+# Per-example gradient elements binned at once: one example at a time, a few (a
+# remainder chunk after the scan for the convolution), the default (whole batch).
+CHUNKS = {"one_example": 1, "some_examples": 80, "default": None}
+
+
+def _one_1d_histogram(grads, batch):
+  g = np.concatenate([np.asarray(v).reshape(batch, -1) for v in jax.tree.leaves(grads)], 1)
+  return np.histogram(np.clip(g, -2, 2), bins=100, range=(-2, 2))[0]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_histogram_of_found_layers_matches_vmap_grad(monkeypatch, chunk, reduction):
+  if chunk is not None:
+    monkeypatch.setattr(gl.analyses.instruments._histograms, "CHUNK_ELEMENTS", chunk)  # pylint: disable=protected-access
+  params, x, y, _, plain = _model(reduction)
+  params = jax.tree.map(lambda v: 0.3 * v, params)  # Gradients inside [-2, 2] mostly.
+  reduce = jnp.mean if reduction == "mean" else jnp.sum
+  loss = gl.record_layers(lambda p, x, y: reduce(jax.vmap(plain, in_axes=(None, 0, 0))(p, x, y)))
+  records = gl.reap(jax.grad(loss))(params, x, y)
+  hist = jax.jit(lambda r, p: gl.gradient_histograms(r, reduction=reduction, params=p))(
+      records, params)
+  grads, _ = _per_example(plain, params, x, y)
+  np.testing.assert_array_equal(hist.counts_1d, _one_1d_histogram(grads, B))
+  assert int(hist.counts_2d.sum()) == B * sum(v.size for v in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, chunk):
+  if chunk is not None:
+    monkeypatch.setattr(gl.analyses.instruments._histograms, "CHUNK_ELEMENTS", chunk)  # pylint: disable=protected-access
   p, ids, img, y = _every_layer_kind_inputs()
   one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
   grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)

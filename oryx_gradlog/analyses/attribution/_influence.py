@@ -40,9 +40,10 @@ conventions, so that they can be compared one to one:
   scan-stacked block), as Kronfluence's `damping_factor=None`; a number is added
   to every eigenvalue as it is.
 
-The gradients are those of the loss on the batch's own labels (the empirical
-Fisher, Kronfluence's `use_empirical_fisher=True`); labels sampled from the model
-(the true Fisher) are not an option yet.
+The curvature is fitted from the gradients of the loss on the batch's own labels
+(the empirical Fisher, Kronfluence's `use_empirical_fisher=True`), or with
+`sampled_loss` on labels sampled from the model (the true Fisher, Kronfluence's
+default); scores are always of `loss` (or a `measurement`) on the data's labels.
 
 Sharp edges:
   * `loss(params, *batch)` must be the mean over the batch of per-example losses
@@ -54,10 +55,14 @@ Sharp edges:
     (their gradient is dropped as the gather's vjp drops it).
   * EK-FAC's correction forms each example's gradient in the eigenbasis (`B x
     d_in x d_out` floats per layer, `B x vocabulary x d` for an embedding).
-  * Memory: `scores` holds the preconditioned gradients of all queries
-    (`n_query x n_params` floats, in the blocks' rotated bases) and one training
-    batch's (`batch x n_params`), plus the `(n_query, n_train)` result; diagonal
-    blocks form each batch's per-example gradients of their parameters.
+  * Memory: `scores` holds the preconditioned gradients of the queries of one
+    block (`query_block x n_params` floats, in the blocks' rotated bases: all the
+    queries by default; 64 queries of a 1 M-parameter model take 256 MiB) and
+    one training batch's (`batch x n_params`), plus the `(n_query, n_train)`
+    result; diagonal blocks form each batch's per-example gradients of their
+    parameters. Each block of queries reads the training batches once more.
+  * `sampled_loss` draws batch i's labels with `jax.random.fold_in(key, i)`: the
+    same labels in both passes of `"ekfac"`.
   * The eigenvalues are fitted at the parameters given to `fit_influence`, which
     `Influence` keeps; scores are gradients at those parameters.
 """
@@ -188,10 +193,9 @@ def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
 
   others = tuple(batch)
   examples = [others[i - (i > argnums)] for i in positions]
-  whole = float(jax.jit(call)(params, others))
-  each = jax.jit(jax.vmap(lambda p, o, e: call(p, o, e), in_axes=(None, None, 0)))(
-      params, others, examples)
-  mean = float(jnp.mean(each))
+  each = jax.vmap(call, in_axes=(None, None, 0))
+  whole, mean = (float(v) for v in jax.jit(  # One program: one compile.
+      lambda p, o, e: (call(p, o), jnp.mean(each(p, o, e))))(params, others, examples))
   if not np.isclose(whole, mean, rtol=1e-4, atol=1e-6 * max(1.0, abs(mean))):
     raise ValueError(
         f"{api}: loss(params, *batch) is {whole:.6g} on the first batch but the mean of "
@@ -241,6 +245,8 @@ def fit_influence(
     projection: Any = None,
     argnums: int = 0,
     batch_argnums: int | Sequence[int] | None = None,
+    sampled_loss: Callable[..., jax.Array] | None = None,
+    key: jax.Array | None = None,
     progress: bool | None = None,
 ) -> Influence:
   """Fits influence functions of the training examples on `loss` at `params`.
@@ -259,6 +265,13 @@ def fit_influence(
       scored, in its projected space; `None` for the whole gradients.
     argnums: the positional argument holding the parameters.
     batch_argnums: the arguments holding the batch (default: all others).
+    sampled_loss: for the true Fisher, `sampled_loss(params, *batch, key)`: the
+      mean loss on labels drawn with `key` from the model's output, the model run
+      once (e.g. `labels = jax.random.categorical(key, lax.stop_gradient(logits))`
+      for a classifier: a second forward pass would be a second use of every
+      parameter); the curvature is fitted from its gradients. `None`: the
+      empirical Fisher, of `loss` on the batch's labels.
+    key: the PRNG key of `sampled_loss` (default `jax.random.PRNGKey(0)`).
     progress: print each pass's progress to stderr (default: when stderr is a
       terminal).
 
@@ -293,8 +306,31 @@ def fit_influence(
   if strategy == "ekfac" and iter(batches) is batches:
     raise TypeError(f"{api}: `batches` is an iterator, which EK-FAC would exhaust in "
                     "its first pass; pass a list (or another re-iterable) of batches.")
-  passes = _Pass(Gradients(api, loss, argnums, batch_argnums), api, projection)
-  arrays = jax.jit(passes.arrays)
+  if sampled_loss is not None and not callable(sampled_loss):
+    raise TypeError(f"{api}(sampled_loss={type(sampled_loss).__name__}): pass the loss "
+                    "on sampled labels, sampled_loss(params, *batch, key), or None.")
+  if sampled_loss is None and key is not None:
+    raise ValueError(f"{api}(key=...): the key is for sampled_loss's labels; pass "
+                     "sampled_loss too, or no key.")
+  label_key = jax.random.PRNGKey(0) if key is None else key
+  # The fitted function and its jitted pass, made at the first batch: `sampled_loss`
+  # takes one argument more than the batch, its key, which is not a batch argument.
+  passes = _Pass(None, api, projection)
+  jitted = []
+
+  def arrays(params, batch, i):
+    if not jitted:
+      fun, positions = loss, batch_argnums
+      if sampled_loss is not None:
+        fun = sampled_loss
+        if positions is None:
+          positions = [j for j in range(len(batch) + 1) if j != argnums]
+      passes.gradients = Gradients(api, fun, argnums, positions)
+      jitted.append(jax.jit(passes.arrays))
+    if sampled_loss is not None:
+      batch = batch + (jax.random.fold_in(label_key, i),)
+    return jitted[0](params, batch)
+
   sizes: list[int] = []
 
   show = sys.stderr.isatty() if progress is None else progress
@@ -318,7 +354,7 @@ def fit_influence(
         sizes.append(size)
       if check_first and i == 0:
         _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums)
-      yield arrays(params, batch)
+      yield arrays(params, batch, i)
     if show:
       print(file=sys.stderr, flush=True)
 
@@ -535,7 +571,8 @@ class Influence:
 
   def scores(self, query_batches: Iterable[Sequence[Any]],
              train_batches: Iterable[Sequence[Any]], *,
-             measurement: Callable | None = None) -> np.ndarray:
+             measurement: Callable | None = None,
+             query_block: int | None = None) -> np.ndarray:
     """Returns `(n_query, n_train)`: `g_q^T (H + damping)^-1 g_t` per pair.
 
     Args:
@@ -544,25 +581,49 @@ class Influence:
       measurement: what the query gradient is of, with `loss`'s signature and the
         mean over the batch of a per-example quantity (a margin, a logit), as
         Kronfluence's `compute_measurement`; default: `loss`.
+      query_block: score at most this many queries at a time (whole query batches;
+        a larger batch is a block of its own), each block reading the training
+        batches again (then re-iterable), to bound memory (see the module
+        docstring); `None`: every query at once.
 
     Returns:
       A NumPy array: positive where training on the example lowers the query's
       loss (its measurement), negative where it raises it.
     """
     api = "Influence.scores"
+    if query_block is not None and (not isinstance(query_block, int)
+                                    or isinstance(query_block, bool) or query_block < 1):
+      raise ValueError(f"{api}(query_block={query_block!r}): give a positive number of "
+                       "queries, or None for all at once.")
+    if query_block is not None and iter(train_batches) is train_batches:
+      raise TypeError(f"{api}: `train_batches` is an iterator, which the first block of "
+                      "queries would exhaust; pass a list (or another re-iterable).")
     pre = self._preconditioned(measurement or self.loss, api)
-    parts = [pre(self.factors, self.params, tuple(b)) for b in query_batches]
+    score = self._scored(api)
+    axis = lambda v: 1 if v.ndim == 4 else 0
+
+    def rows(parts):
+      queries = {name: jnp.concatenate([p[name] for p in parts], axis=axis(parts[0][name]))
+                 for name in parts[0]}
+      columns = [np.asarray(score(self.factors, self.params, tuple(b), queries))
+                 for b in train_batches]
+      if not columns:
+        raise ValueError(f"{api}: train_batches is empty; pass at least one batch.")
+      return np.concatenate(columns, axis=1)
+
+    blocks, parts, held = [], [], 0
+    for batch in query_batches:
+      batch = tuple(batch)
+      size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+      if parts and query_block is not None and held + size > query_block:
+        blocks.append(rows(parts))
+        parts, held = [], 0
+      parts.append(pre(self.factors, self.params, batch))
+      held += size
     if not parts:
       raise ValueError(f"{api}: query_batches is empty; pass at least one batch.")
-    axis = lambda v: 1 if v.ndim == 4 else 0
-    queries = {name: jnp.concatenate([p[name] for p in parts], axis=axis(parts[0][name]))
-               for name in parts[0]}
-    score = self._scored(api)
-    columns = [np.asarray(score(self.factors, self.params, tuple(b), queries))
-               for b in train_batches]
-    if not columns:
-      raise ValueError(f"{api}: train_batches is empty; pass at least one batch.")
-    return np.concatenate(columns, axis=1)
+    blocks.append(rows(parts))
+    return np.concatenate(blocks, axis=0)
 
   def self_influence(self, batches: Iterable[Sequence[Any]]) -> np.ndarray:
     """Returns `(n,)`: `g_t^T (H + damping)^-1 g_t` per example (large for

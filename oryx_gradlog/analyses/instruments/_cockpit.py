@@ -53,9 +53,9 @@ loop, give the schedule as a static argument, so that each phase compiles once a
 the steps between carry no `lax.cond`, and donate the parameters and the state, so
 that XLA updates them in place instead of copying the parameter-sized state through
 each step (measured on a 4 x 512 MLP, batch 128, CPU: the economy preset without
-grad_hist_1d at `every=10` costs about 1.18x a plain step, both donated; with it,
-9.3x, as grad_hist_1d bins every example's whole gradient; Cockpit itself, 19.8x;
-see `benchmarks/RESULTS.md`, workload 10):
+grad_hist_1d at `every=10` costs about 1.2x a plain step, both donated; with it,
+7.3x, as grad_hist_1d bins every element of every example's gradient; Cockpit
+itself, 19.8x; see `benchmarks/RESULTS.md`, workload 10):
 
     instruments = gl.training_instruments("economy", every=10)
     step = jax.jit(train_step, static_argnames="phase", donate_argnums=(0, 1))
@@ -376,14 +376,13 @@ def training_instruments(
 
   def moment_readings(records, loss, learning_rate, params):
     readings = {}
-    hists = {"grad_hist_1d", "grad_hist_2d"} & wants
-    moments, batch = _instruments.layer_moments(
-        f"{api}.update", records, reduction=reduction, names=names, tied=tied,
-        per_example=bool(hists))
-    mean_sq = [(m * m, s / batch) for moment in moments.values()
-               for m, s in zip(jax.tree.leaves(moment.mean),
-                               jax.tree.leaves(moment.sum_squares))]
-    count = sum(m.size for m, _ in mean_sq)
+    if wants & {"mean_gsnr", "early_stopping", "cabs"}:
+      moments, batch = _instruments.layer_moments(
+          f"{api}.update", records, reduction=reduction, names=names, tied=tied)
+      mean_sq = [(m * m, s / batch) for moment in moments.values()
+                 for m, s in zip(jax.tree.leaves(moment.mean),
+                                 jax.tree.leaves(moment.sum_squares))]
+      count = sum(m.size for m, _ in mean_sq)
     if "mean_gsnr" in wants:
       readings["mean_gsnr"] = sum(
           jnp.sum(g2 / (s - g2 + _GSNR_EPS)) for g2, s in mean_sq) / count
@@ -394,14 +393,18 @@ def training_instruments(
     if "cabs" in wants:
       mean_loss = loss / batch if reduction == "sum" else loss
       readings["cabs"] = learning_rate * sum(jnp.sum(s - g2) for g2, s in mean_sq) / mean_loss
-    if hists:
+    if wants & {"grad_hist_1d", "grad_hist_2d"}:
       selection = selection_of(records)
-      values = {**selection.values(), **selection.by_path(f"{api}.update", params)}
-      hist = _histograms.histograms_from_moments(moments, values,
-                                                 two_d="grad_hist_2d" in wants)
+      batch = _common.one_batch_size(f"{api}.update", selection.batch_sizes, minimum=2)
+      two_d = "grad_hist_2d" in wants
+      values = ({**selection.values(), **selection.by_path(f"{api}.update", params)}
+                if two_d else {})
+      hist = _histograms.histograms(f"{api}.update", selection,
+                                    _common.loss_scale(reduction, batch), values,
+                                    two_d=two_d, one_d="grad_hist_1d" in wants)
       if "grad_hist_1d" in wants:
         readings["grad_hist_1d"] = {"counts": hist.counts_1d, "edges": hist.edges_1d}
-      if "grad_hist_2d" in wants:
+      if two_d:
         readings["grad_hist_2d"] = {"counts": hist.counts_2d, "x_edges": hist.edges_2d[0],
                                     "y_edges": hist.edges_2d[1]}
     return readings

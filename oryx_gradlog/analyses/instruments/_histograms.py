@@ -5,21 +5,28 @@ i's own loss) in 100 equal bins on `[-2, 2]`, values outside clamped into the ed
 bins (as `torch.histc` of the clamped values). Its GradHist2d counts the pairs
 (per-example gradient element, parameter value) of every parameter and example in
 40 x 50 bins on `[-1, 1] x [-2, 2]`, both clamped to the centres of the edge bins.
-`gradient_histograms` computes both on the device from the layer records: each
-layer's per-example gradients are formed (the vjp of the layer at each example's
-cotangent, `Selection.per_example`), binned, and summed over the layers; the
-parameter values are the weights the records hold.
+`gradient_histograms` computes both on the device from the layer records and sums
+them over the layers; the parameter values are the weights the records hold (or
+`params`).
+
+The 1-D counts of a dense or convolution layer (its parameter's only use) are made
+from its canonical view `(x, g)`, a chunk of examples at a time inside a `lax.scan`:
+each chunk's gradients `x_i^T g_i` (about `CHUNK_ELEMENTS` numbers) are formed and
+binned while they are in cache, never the whole batch's. Other layers (embeddings,
+layer norms, parameters with several uses) and the 2-D histogram, which pairs each
+element with its parameter, form the layer's per-example gradients whole
+(`Selection.per_example`).
 
 Sharp edges:
   * Only the marked layers count (Cockpit counts every parameter of the model).
-  * Forming a layer's per-example gradients takes `B` times its parameters in
-    memory while it is binned, and a scatter-add per element: the costliest of the
-    per-step instruments (see `benchmarks/RESULTS.md`). Read it every k steps.
-    On JAX 0.5.0 XLA's CPU scatter-add is about 15 times slower than on 0.10.2
-    (65 vs 4 ns per element), and so are the histograms.
+  * Every element is binned by one scatter-add, B times the parameters per reading:
+    the costliest of the per-step instruments (see `benchmarks/RESULTS.md`). Read
+    it every k steps. On JAX 0.5.0 XLA's CPU scatter-add is about 15 times slower
+    than on 0.10.2, and so are the histograms.
   * Counts are int32: at most 2**31 - 1 elements (examples times parameters).
-  * The 2-D histogram leaves out `gl.dense_dot_general`'s bias, whose value the
-    record does not hold.
+  * The 2-D histogram forms each layer's per-example gradients whole (B times its
+    parameters in memory), and leaves out `gl.dense_dot_general`'s bias, whose
+    value the record does not hold.
 """
 
 from __future__ import annotations
@@ -31,12 +38,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from oryx_gradlog.analyses.instruments import _instruments
-from oryx_gradlog.record._selection import collect
+from oryx_gradlog.analyses import _common
+from oryx_gradlog.record._kinds import CONV, DENSE
+from oryx_gradlog.record._selection import Selection
 
 BINS_1D, RANGE_1D = 100, (-2.0, 2.0)
 BINS_2D, RANGE_2D = (40, 50), ((-1.0, 1.0), (-2.0, 2.0))
+# Per-example gradient elements formed and binned at once (a chunk of examples):
+# 2M float32, 8 MiB, binned while in cache (a 512 x 512 layer at batch 128, JAX
+# 0.10.2, CPU: 41 ms in chunks of 8 examples, 114 ms at once).
+CHUNK_ELEMENTS = 1 << 21
 
 
 @functools.partial(
@@ -49,13 +62,14 @@ class GradientHistograms:
   """Cockpit's two gradient histograms of one batch.
 
   Attributes:
-    counts_1d: `(bins,)` counts of the per-example gradient elements.
+    counts_1d: `(bins,)` counts of the per-example gradient elements (`None` where
+      only the 2-D histogram was asked for).
     edges_1d: `(bins + 1,)` bin edges.
     counts_2d: `(bins_x, bins_y)` counts of (gradient element, parameter) pairs.
     edges_2d: `(x_edges, y_edges)`, the edges along each axis.
   """
 
-  counts_1d: jax.Array
+  counts_1d: jax.Array | None
   edges_1d: jax.Array
   counts_2d: jax.Array | None
   edges_2d: tuple[jax.Array, jax.Array] | None
@@ -94,29 +108,65 @@ def _edges(bins, value_range):
   return jnp.linspace(value_range[0], value_range[1], bins + 1, dtype=jnp.float32)
 
 
-def histograms_from_moments(moments, values, *, two_d: bool, bins_1d=BINS_1D,
-                            range_1d=RANGE_1D, bins_2d=BINS_2D, range_2d=RANGE_2D,
-                            ) -> GradientHistograms:
-  """The histograms from `layer_moments(..., per_example=True)`; `values` gives the
-  parameters' values by key (`LayerParams`, for the 2-D histogram)."""
-  grads = [v for m in moments.values() for v in jax.tree.leaves(m.per_example)]
-  counts_1d = histogram_1d(grads, bins_1d, range_1d)
+def _view_counts(view, scale, bins: int, value_range) -> jax.Array:
+  """1-D counts of a dense or convolution view's per-example gradients
+  `scale x_i^T g_i` (and bias `scale sum_t g_i`), a chunk of examples at a time."""
+  x, g = view.x, view.g
+  s, batch, _, d_in = x.shape
+  size = max(1, min(batch, CHUNK_ELEMENTS // max(1, s * d_in * g.shape[-1])))
+  whole = batch - batch % size
+
+  def counts(x, g):
+    return histogram_1d([scale * _common.dot("sbti,sbto->sbio", x, g)], bins, value_range)
+
+  total = histogram_1d([] if view.bias_g is None else [scale * view.bias_g], bins,
+                       value_range)
+  if whole == size:
+    total = total + counts(x[:, :size], g[:, :size])
+  elif whole:
+    def chunks(a):  # (S, B, ...) -> (B / size, S, size, ...)
+      return jnp.moveaxis(a[:, :whole].reshape((s, whole // size, size) + a.shape[2:]), 1, 0)
+    total = lax.scan(lambda c, xg: (c + counts(*xg), None), total,
+                     (chunks(x), chunks(g)))[0]
+  if whole < batch:
+    total = total + counts(x[:, whole:], g[:, whole:])
+  return total
+
+
+def histograms(api: str, selection: Selection, scale, values, *, two_d: bool,
+               one_d: bool = True, bins_1d=BINS_1D, range_1d=RANGE_1D, bins_2d=BINS_2D,
+               range_2d=RANGE_2D) -> GradientHistograms:
+  """The histograms of a selection's per-example gradients times `scale` (those of
+  the per-example losses); `values` gives the parameters by key (for 2-D). Without
+  `one_d`, `counts_1d` is `None`."""
+  counts_1d = jnp.zeros((bins_1d,), jnp.int32)
+  pairs = []
+  for key, uses in selection.groups.items():
+    view = uses[0].view() if len(uses) == 1 and uses[0].kind in (DENSE, CONV) else None
+    grads = None
+    if view is None and one_d:
+      grads = jax.tree.map(lambda v: scale * v, selection.per_example(key))
+      counts_1d = counts_1d + histogram_1d(jax.tree.leaves(grads), bins_1d, range_1d)
+    elif one_d:
+      counts_1d = counts_1d + _view_counts(view, scale, bins_1d, range_1d)
+    if not two_d:
+      continue
+    if key not in values:
+      raise ValueError(
+          f"{api}: the 2-D histogram needs the value of parameter {key!r}, which "
+          "gl.record_layers's records do not hold: pass params=.")
+    if grads is None:
+      grads = jax.tree.map(lambda v: scale * v, selection.per_example(key))
+    for grad, value in ((grads.w, values[key].w), (grads.b, values[key].b)):
+      if grad is None or value is None:  # dense_dot_general's bias is not recorded.
+        continue
+      pairs.append((grad, value[None]))
   counts_2d = edges_2d = None
   if two_d:
-    pairs = []
-    for key, moment in moments.items():
-      if key not in values:
-        raise ValueError(
-            f"gradient_histograms: the 2-D histogram needs the value of parameter "
-            f"{key!r}, which gl.record_layers's records do not hold: pass params=.")
-      for grad, value in ((moment.per_example.w, values[key].w),
-                          (moment.per_example.b, values[key].b)):
-        if grad is None or value is None:  # dense_dot_general's bias is not recorded.
-          continue
-        pairs.append((grad, value[None]))
     counts_2d = histogram_2d(pairs, bins_2d, range_2d)
     edges_2d = (_edges(bins_2d[0], range_2d[0]), _edges(bins_2d[1], range_2d[1]))
-  return GradientHistograms(counts_1d, _edges(bins_1d, range_1d), counts_2d, edges_2d)
+  return GradientHistograms(counts_1d if one_d else None, _edges(bins_1d, range_1d),
+                            counts_2d, edges_2d)
 
 
 def gradient_histograms(
@@ -158,11 +208,12 @@ def gradient_histograms(
     ([0, 52], 2)
   """
   api = "gradient_histograms"
-  moments, _ = _instruments.layer_moments(
-      api, records, reduction=reduction, names=names, tied=tied, per_example=True)
-  selection = collect(api, records, names, tied=tied)
+  selection = _common.select(api, records, reduction=reduction, names=names, tied=tied,
+                             method="auto")
+  batch = _common.one_batch_size(api, selection.batch_sizes, minimum=2)
   values = selection.values()
   if params is not None:
     values.update(selection.by_path(api, params))
-  return histograms_from_moments(moments, values, two_d=two_d, bins_1d=bins_1d,
-                                 range_1d=range_1d, bins_2d=bins_2d, range_2d=range_2d)
+  return histograms(api, selection, _common.loss_scale(reduction, batch), values,
+                    two_d=two_d, bins_1d=bins_1d, range_1d=range_1d, bins_2d=bins_2d,
+                    range_2d=range_2d)

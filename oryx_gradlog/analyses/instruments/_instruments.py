@@ -119,7 +119,7 @@ class GradientSNR:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["mean", "sum_squares", "per_example"],
+    data_fields=["mean", "sum_squares"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +129,10 @@ class LayerMoments:
   Attributes:
     mean: `gbar = (1/B) sum_i grad_i`, shaped like the layer's parameters.
     sum_squares: `sum_i grad_i^2` (SumGradSquared of the per-example losses).
-    per_example: `(B, ...)` the per-example gradients, where they were formed.
   """
 
   mean: LayerParams
   sum_squares: LayerParams
-  per_example: LayerParams | None
 
 
 def per_example_moments(
@@ -251,31 +249,23 @@ def _ratio(signal, noise):
 
 def layer_moments(
     api: str, records: dict[str, Any], *, reduction: str, names, tied,
-    per_example: bool = False,
 ) -> tuple[dict[str, LayerMoments], int]:
   """Per key, `gbar` and `sum_i grad_i^2` of the per-example losses' gradients.
 
   Dense layers without positions square `x` and `g` (one matmul); the others form
-  each example's gradient. `per_example=True` forms them for every layer and keeps
-  them (for the histograms).
+  each example's gradient.
   """
   selection = _common.select(api, records, reduction=reduction, names=names, tied=tied,
                             method="auto")
   batch = _common.one_batch_size(api, selection.batch_sizes, minimum=2)
   scale = _common.loss_scale(reduction, batch)
-  means = None if per_example else selection.weighted(jnp.ones(batch))
+  means = selection.weighted(jnp.ones(batch))
   moments = {}
   for key in selection.groups:
-    if per_example:
-      grads = jax.tree.map(lambda v: scale * as_float(v), selection.per_example(key))
-      moments[key] = LayerMoments(jax.tree.map(lambda v: jnp.mean(v, axis=0), grads),
-                                  jax.tree.map(lambda v: jnp.sum(v * v, axis=0), grads),
-                                  grads)
-    else:
-      moments[key] = LayerMoments(
-          jax.tree.map(lambda v: (scale / batch) * as_float(v), means[key]),
-          jax.tree.map(lambda v: scale * scale * v,
-                       _curvature.sum_of_squares(selection, key)), None)
+    moments[key] = LayerMoments(
+        jax.tree.map(lambda v: (scale / batch) * as_float(v), means[key]),
+        jax.tree.map(lambda v: scale * scale * v,
+                     _curvature.sum_of_squares(selection, key)))
   return moments, batch
 
 
