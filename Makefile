@@ -42,7 +42,7 @@ demo: $(VENV)/.installed
 	$(BIN)/python examples/08_digits_training.py --run-dir runs/digits
 
 test: $(VENV)/.installed
-	@echo "==> running the tests (about 10 minutes on 2 cores; a dot is a test passed)"
+	@echo "==> running the tests (about 7 minutes on 2 cores; a dot is a test passed; GRADLOG_SLOW_TESTS=1 adds the long checks)"
 	$(BIN)/python -m pytest oryx_gradlog tests -q
 
 bench: $(VENV)/.installed

@@ -7,7 +7,7 @@ environment, and compares):
 
   python -m venv /tmp/kron && /tmp/kron/bin/pip install torch numpy scikit-learn \
       accelerate einops einconv opt_einsum safetensors
-  /tmp/kron/bin/pip install --no-deps kronfluence==1.0.1
+  /tmp/kron/bin/pip install --no-deps kronfluence==1.0.1 dattri==0.3.0
   .venv-jax-0.10.2/bin/python benchmarks/kronfluence_compare.py --torch-python /tmp/kron/bin/python
 
 The data: scikit-learn's digits (shipped with it), standardised; 1,000 training
@@ -20,7 +20,9 @@ dense 512 -> 10` written in PyTorch's layouts (`nn.Conv2d` OIHW, NCHW images,
 Cross-entropy with the true labels (Kronfluence `use_empirical_fisher=True`),
 EK-FAC, `damping_factor=None` on both sides. Then, with 10% of the training labels
 flipped and the MLP retrained, how many flipped examples are in the top 10% of
-self-influence, ours and Kronfluence's on the same weights.
+self-influence, ours and Kronfluence's on the same weights. The LDS of each set of
+scores, by `gl.lds` and by dattri 0.3.0's `dattri.metric.lds` on the same scores,
+subsets and retrained losses.
 
 Timing: both sides on this CPU with two threads, one after the other; ours is one
 call of `fit_influence` + `scores` (the ratio's), and the same less the seconds JAX
@@ -60,6 +62,24 @@ def _data(flip: float = 0.0):
 
 # ----------------------------------------------------------------------------------
 # The PyTorch side: run in the throwaway environment as `--side torch DIR`.
+
+
+def dattri_side(directory: str) -> None:
+  """dattri's LDS of each saved set of scores: per query, the Spearman correlation
+  over subsets of the subset's summed scores with the measurement (here minus the
+  retrained loss, so that a helpful example, positive, lowers it)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from dattri.metric import lds  # pylint: disable=g-import-not-at-top
+
+  arrays = np.load(os.path.join(directory, "lds.npz"))
+  subsets = torch.from_numpy(arrays["subsets"])
+  truth = torch.from_numpy(-arrays["measured"])
+  out = {}
+  for name in arrays["names"]:
+    scores = torch.from_numpy(arrays[f"scores.{name}"]).T  # (n_train, n_test)
+    per_query, _ = lds(scores, (truth, subsets))
+    out[str(name)] = per_query.numpy().tolist()
+  json.dump(out, open(os.path.join(directory, "dattri.json"), "w"))
 
 
 def torch_side(directory: str) -> None:
@@ -208,6 +228,9 @@ def main() -> None:
   if args.side == "torch":
     torch_side(args.directory)
     return
+  if args.side == "dattri":
+    dattri_side(args.directory)
+    return
 
   import jax  # pylint: disable=g-import-not-at-top
   import oryx_gradlog as gl  # pylint: disable=g-import-not-at-top
@@ -291,14 +314,25 @@ def main() -> None:
   subsets = np.random.default_rng(2).random((N_SUBSETS, N_TRAIN)) < 0.5
   measured = example.retrained_losses(train_x, train_y, query_x, query_y, subsets)
   batches = _batches(train_x, train_y)
-  lds = {s: gl.lds(gl.fit_influence(example.loss, params["mlp"], batches, strategy=s)
-                   .scores([(query_x, query_y)], batches), subsets, measured)
-         for s in ("identity", "ekfac")}
-  lds["kronfluence"] = gl.lds(np.load(os.path.join(directory, "mlp.scores.npy")), subsets,
-                              measured)
+  scored = {s: gl.fit_influence(example.loss, params["mlp"], batches, strategy=s)
+            .scores([(query_x, query_y)], batches) for s in ("identity", "ekfac")}
+  scored["kronfluence"] = np.load(os.path.join(directory, "mlp.scores.npy"))
+  lds = {name: gl.lds(s, subsets, measured) for name, s in scored.items()}
   print(f"LDS over {N_SUBSETS} half-data retrainings (MLP): ours EK-FAC {lds['ekfac']:.3f}, "
         f"Kronfluence EK-FAC {lds['kronfluence']:.3f}, gradient products "
         f"{lds['identity']:.3f}")
+  # dattri's LDS of the same scores, subsets and retrained losses.
+  np.savez(os.path.join(directory, "lds.npz"), subsets=subsets,
+           measured=np.asarray(measured, np.float64), names=np.array(list(scored)),
+           **{f"scores.{n}": np.asarray(s, np.float64) for n, s in scored.items()})
+  subprocess.run([args.torch_python, __file__, "--torch-python", args.torch_python,
+                  "--side", "dattri", directory], check=True, env=env)
+  by_dattri = json.load(open(os.path.join(directory, "dattri.json")))
+  for name in scored:
+    theirs_lds = np.asarray(by_dattri[name], np.float64)
+    print(f"  {name}: LDS by gl.lds {lds[name]:.6f}, by dattri 0.3.0 "
+          f"{np.nanmean(theirs_lds):.6f} (queries where dattri gives NaN: "
+          f"{int(np.isnan(theirs_lds).sum())})")
   name, loss = "mlp_flipped", loss_of("mlp")
   batches = _batches(noisy_x, noisy_y)
   ours = gl.fit_influence(loss, params[name], batches).self_influence(batches)

@@ -26,10 +26,12 @@ from oryx_gradlog.analyses.per_example._coverage import (
 from oryx_gradlog.analyses.instruments._cockpit import (
     InstrumentsState,
     InstrumentsTransform,
+    training_instruments,
+)
+from oryx_gradlog.analyses.instruments._schedule import (
     Schedule,
     linear_schedule,
     logarithmic_schedule,
-    training_instruments,
 )
 from oryx_gradlog.analyses.attribution._lds import lds
 from oryx_gradlog.analyses.attribution._projection import (
@@ -45,11 +47,8 @@ from oryx_gradlog.analyses.attribution._from_run import (
     tracin,
     tracin_self_influence,
 )
-from oryx_gradlog.analyses.attribution._influence import (
-    Influence,
-    InfluenceFactors,
-    fit_influence,
-)
+from oryx_gradlog.analyses.attribution._factors import InfluenceFactors
+from oryx_gradlog.analyses.attribution._influence import Influence, fit_influence
 from oryx_gradlog.analyses.curvature._curvature import (
     KFACFactors,
     gradient_variance,

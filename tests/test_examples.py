@@ -13,7 +13,13 @@ def test_examples_are_found():
   assert len(EXAMPLES) >= 3
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+# The examples that take 10 s or more (on 2 cores) are long checks.
+_SLOW = {"08_digits_training", "10_flax_nnx", "11_any_model_dp", "12_influence_digits"}
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.slow) if p.stem in _SLOW else p for p in EXAMPLES],
+    ids=[p.stem for p in EXAMPLES])
 def test_example_runs_and_checks_itself(path, capsys, monkeypatch, tmp_path):
   argv = [str(path)]
   if "--quick" in path.read_text():  # Long examples have a quick mode for the tests.

@@ -121,6 +121,7 @@ def _nnx_functional(model):
   return per_example, params
 
 
+@pytest.mark.slow
 def test_nnx_stock_modules():
   per_example, params = _nnx_functional(NNXModel(nnx.Rngs(0)))
   _check(per_example, params, _batch(), [
@@ -149,6 +150,7 @@ class NNXRecurrent(nnx.Module):
     return self.head(self.drop(self.norm(h)))
 
 
+@pytest.mark.slow
 def test_nnx_rnn_with_batch_norm_in_evaluation_mode():
   per_example, params = _nnx_functional(NNXRecurrent(nnx.Rngs(0)))
   _check(per_example, params, _batch(), [
@@ -234,6 +236,7 @@ def _linen_functional(module, *batch):
   return per_example, params
 
 
+@pytest.mark.slow
 def test_linen_stock_modules():
   batch = _batch()
   per_example, params = _linen_functional(LinenModel(), *batch)
@@ -323,6 +326,7 @@ def _eqx_functional(model):
   return per_example, params
 
 
+@pytest.mark.slow
 def test_equinox_stock_modules():
   per_example, params = _eqx_functional(EqxModel(jax.random.PRNGKey(0)))
   _check(per_example, params, _batch(), [
@@ -370,6 +374,7 @@ def _hk_functional(fn, *batch):
   return per_example, params
 
 
+@pytest.mark.slow
 def test_haiku_stock_modules():
   batch = _batch()
   per_example, params = _hk_functional(_hk_model, *batch)

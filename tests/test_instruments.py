@@ -401,7 +401,8 @@ def test_gradient_histogram_of_found_layers_matches_vmap_grad(monkeypatch, chunk
   assert int(hist.counts_2d.sum()) == B * sum(v.size for v in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
+@pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 80, None],
+                         ids=CHUNKS.keys())
 def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, chunk):
   if chunk is not None:
     monkeypatch.setattr(gl.analyses.instruments._histograms, "CHUNK_ELEMENTS", chunk)  # pylint: disable=protected-access
@@ -499,7 +500,12 @@ def test_presets_are_cockpits_configurations():
 
 
 def test_presets_and_bad_arguments():
-  assert set(gl.training_instruments("economy").init(jnp.ones(1)).curvature) == set()
+  # Each family keeps its own state; economy measures no curvature, keeps no key.
+  assert set(gl.training_instruments("economy").init(jnp.ones(1)).families) == {
+      "norms", "alpha"}
+  business = gl.training_instruments("business").init(jnp.ones(1)).families
+  assert set(business) == {"norms", "alpha", "curvature"}
+  assert set(business["curvature"].readings) == {"tic_diag", "hessian_trace", "per_parameter"}
   with pytest.raises(ValueError, match="the presets are"):
     gl.training_instruments("first class")
   with pytest.raises(ValueError, match="is not an instrument"):

@@ -116,6 +116,7 @@ def _assert_close(actual, expected, dtype):
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol * scale)
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=16, deadline=None)
 @hypothesis.given(mlp=mlps(), per_example=st.booleans(), full=st.booleans())
 def test_records_of_random_mlps_equal_the_reference(mlp, per_example, full):

@@ -18,6 +18,7 @@ def test_the_readme_has_python_blocks():
   assert len(BLOCKS) >= 7
 
 
+@pytest.mark.slow
 def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, capsys):
   pytest.importorskip("flax")
   monkeypatch.chdir(tmp_path)

@@ -12,7 +12,8 @@ import pytest
 WORKER = pathlib.Path(__file__).with_name("x64_worker.py")
 
 
-@pytest.mark.parametrize("route", ["environment", "config"])
+@pytest.mark.parametrize("route", [pytest.param("environment", marks=pytest.mark.slow),
+                                   "config"])
 def test_float64_records_summaries_and_analyses(route):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("JAX_ENABLE_X64", None)

@@ -2,8 +2,10 @@
 
 * `_blocks.py`: the blocks (a layer's weight with its bias, or one parameter) and
   what one batch's records give each;
-* `_influence.py`: influence functions (`fit_influence`, `Influence`): K-FAC,
-  EK-FAC, the full Fisher, plain gradient products;
+* `_factors.py`: the curvature of influence functions, block by block (K-FAC,
+  EK-FAC, the full Fisher, none: plain gradient products), `InfluenceFactors`;
+* `_influence.py`: influence functions (`fit_influence`, `Influence`): scores,
+  self-influence, the most helpful and harmful examples;
 * `_projection.py`: LoGra's projected per-example gradients (`fit_projector`,
   `projected_grads`), small enough to log at every training step;
 * `_from_run.py`: from such a log, TracIn, influence and the examples behind a

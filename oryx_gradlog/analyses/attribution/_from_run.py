@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from oryx_gradlog.analyses.attribution._influence import fisher_eigenbasis
+from oryx_gradlog.analyses.attribution._factors import fisher_eigenbasis
 from oryx_gradlog.storage._store import open_run
 
 

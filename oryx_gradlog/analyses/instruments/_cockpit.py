@@ -32,6 +32,12 @@ backward pass of the step where the mathematics allows:
   `gl.hessian_diagonal`), every `curvature_every` steps (a `lax.cond`; between,
   the last values are repeated).
 
+The instruments are small transformations, one per family (loss, batch-size tests,
+moments, histograms, norms, alpha, curvature: `_families.py`), each with its state
+beside it (`InstrumentsState.families`), chained here: the inputs several families
+read (the layer selection, the parameters placed by layer, the layer moments, the
+parameter-sized inner products) are computed once per step.
+
 Cockpit's three configurations are the presets:
 
 * `"economy"`: alpha, distance, grad_hist_1d, grad_norm, inner_product_test,
@@ -105,14 +111,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from oryx_gradlog.analyses import _common
-from oryx_gradlog.analyses.curvature import _hessian
-from oryx_gradlog.analyses.instruments import _histograms, _instruments
-from oryx_gradlog.analyses.instruments import _step_quality
-from oryx_gradlog.record._selection import collect
+from oryx_gradlog.analyses.instruments import _families, _step_quality
+from oryx_gradlog.analyses.instruments._families import CURVATURE, PER_PARAMETER, Step
+from oryx_gradlog.analyses.instruments._schedule import as_schedule
 
 ECONOMY = ("alpha", "distance", "grad_hist_1d", "grad_norm", "inner_product_test", "loss",
            "norm_test", "orthogonality_test", "update_size")
@@ -123,104 +126,27 @@ PRESETS = {
     "full": BUSINESS + ("hessian_max_eigenvalue", "grad_hist_2d"),
 }
 INSTRUMENTS = PRESETS["full"] + ("mean_gsnr", "early_stopping", "cabs", "tic_trace")
-_TESTS = ("norm_test", "inner_product_test", "orthogonality_test")
-_MOMENTS = ("mean_gsnr", "early_stopping", "cabs", "grad_hist_1d", "grad_hist_2d")
-_CURVATURE = ("hessian_trace", "hessian_max_eigenvalue", "tic_diag", "tic_trace")
-_DIAGONAL = ("hessian_trace", "tic_diag", "tic_trace")
-_NORMS = ("grad_norm", "update_size", "distance")
-PER_PARAMETER = "per_parameter"
 # What a step does under `every`: read the instruments, start the next read step's
 # alpha (keep this step's loss, slope moments and update), both, or neither.
 _PHASES = ("read", "start", "read_start", "skip")
-# Cockpit's stabilising constants.
-_GSNR_EPS, _EARLY_STOPPING_EPS, _TIC_EPS = 1e-5, 1e-5, 1e-7
-
-
-class Schedule(NamedTuple):
-  """A tracking schedule: `schedule(step)` says whether to read at `step`, for a
-  Python int (a bool) or a traced JAX integer (a traced bool)."""
-
-  fn: Callable[[Any], Any]
-  description: str
-
-  def __call__(self, step):
-    return self.fn(step)
-
-
-def linear_schedule(interval: int, offset: int = 0) -> Schedule:
-  """Returns Cockpit's `linear` schedule: read at steps `offset + n * interval`, n >= 0.
-
-  Example:
-    >>> import oryx_gradlog as gl
-    >>> schedule = gl.linear_schedule(3, offset=1)
-    >>> [step for step in range(9) if schedule(step)]
-    [1, 4, 7]
-  """
-  for arg, value, least in (("interval", interval, 1), ("offset", offset, 0)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-      raise ValueError(f"linear_schedule({arg}={value!r}): give an integer >= {least}.")
-
-  def fn(step):
-    shifted = step - offset
-    if isinstance(step, int):
-      return shifted >= 0 and shifted % interval == 0
-    return (shifted >= 0) & (shifted % interval == 0)
-
-  return Schedule(fn, f"steps {offset} + n * {interval}")
-
-
-def logarithmic_schedule(start: float, end: float, steps: int = 300, base: float = 10,
-                         init: bool = True) -> Schedule:
-  """Returns Cockpit's `logarithmic` schedule: read at `int(base ** e)` for `steps`
-  exponents `e` evenly spaced from `start` to `end`, and at step 0 if `init`.
-
-  Example:
-    >>> import oryx_gradlog as gl
-    >>> schedule = gl.logarithmic_schedule(0, 2, steps=5)  # 1, 3, 10, 31, 100
-    >>> [step for step in range(101) if schedule(step)]
-    [0, 1, 3, 10, 31, 100]
-  """
-  tracked = np.logspace(start, end, steps, base=base).astype(np.int64)
-  if init:
-    tracked = np.append(tracked, 0)
-  tracked = np.unique(tracked)
-  members = frozenset(int(t) for t in tracked)
-
-  def fn(step):
-    if isinstance(step, int):
-      return step in members
-    return jnp.any(jnp.asarray(step) == jnp.asarray(tracked, jnp.int32))
-
-  return Schedule(fn, f"{len(tracked)} logarithmically spaced steps up to {tracked[-1]}")
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["step", "initial", "previous_update", "previous_loss", "previous_slope",
-                 "curvature", "key"],
-    meta_fields=[],
-)
+    jax.tree_util.register_dataclass, data_fields=["step", "families"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class InstrumentsState:
-  """What the instruments remember between steps (`None` where none needs it).
+  """What the instruments remember between steps.
 
   Attributes:
     step: updates so far.
-    initial: the parameters at `init` (for `distance`).
-    previous_update: the last started step's update (for `alpha`).
-    previous_loss, previous_slope: `(mean, variance)` over the examples of that
-      step's losses and of the slopes `<grad l_i, update>` (for `alpha`).
-    curvature: the last curvature readings, by name (and per parameter).
-    key: the PRNG key for the curvature instruments.
+    families: per family of instruments that keeps a state, its state: `"norms"`
+      the initial parameters (for `distance`), `"alpha"` the last started step's
+      update and its loss and slope moments, `"curvature"` the last curvature
+      readings and a PRNG key.
   """
 
   step: jax.Array
-  initial: Any
-  previous_update: Any
-  previous_loss: tuple[jax.Array, jax.Array] | None
-  previous_slope: tuple[jax.Array, jax.Array] | None
-  curvature: dict[str, Any]
-  key: jax.Array | None
+  families: dict[str, Any]
 
 
 class InstrumentsTransform(NamedTuple):
@@ -248,14 +174,12 @@ def _instrument_names(preset) -> tuple[str, ...]:
   return names
 
 
-def _schedule(every) -> Schedule:
-  if callable(every):
-    return every if isinstance(every, Schedule) else Schedule(every, repr(every))
-  if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-    raise ValueError(f"training_instruments(every={every!r}): give a positive integer or "
-                     "a schedule function of the step (gl.linear_schedule, "
-                     "gl.logarithmic_schedule).")
-  return linear_schedule(every)
+def _merge(readings: dict, more: dict) -> dict:
+  """Readings of two families, their per-parameter trees side by side."""
+  out = {**readings, **more}
+  if PER_PARAMETER in readings and PER_PARAMETER in more:
+    out[PER_PARAMETER] = {**readings[PER_PARAMETER], **more[PER_PARAMETER]}
+  return out
 
 
 def training_instruments(
@@ -339,178 +263,39 @@ def training_instruments(
   if alpha_fit not in ("weighted", "unweighted"):
     raise ValueError(f"{api}(alpha_fit={alpha_fit!r}): give 'weighted' (Cockpit's) or "
                      "'unweighted'.")
-  schedule = _schedule(every)
+  schedule = as_schedule(every)
   every_step = not callable(every) and every == 1
-  curvature = [n for n in instruments if n in _CURVATURE]
   wants = set(instruments)
+  curvature = [n for n in instruments if n in CURVATURE]
   wants_alpha = "alpha" in wants
   weighted = wants_alpha and alpha_fit == "weighted"
-  per_step = [n for n in instruments if n not in _CURVATURE]
+  config = _families.Config(api, reduction, names, tied, where, alpha_fit, curvature_every,
+                            num_products, exact_diagonal)
+  chosen = _families.families(wants, config)
+  per_step = {n: f for n, f in chosen.items() if not f.every_step}
+  every_call = {n: f for n, f in chosen.items() if f.every_step}
+  starting = [n for n, f in per_step.items() if f.start is not None]
 
   def init(params, key=None):
-    zero = lambda: jnp.zeros((), jnp.float32)  # One buffer each: states get donated.
-    if curvature and key is None:
-      key = jax.random.PRNGKey(0)
-    measured = {n: jnp.full((), jnp.nan, jnp.float32) for n in curvature}
-    if "hessian_trace" in wants:
-      measured[PER_PARAMETER] = jax.tree.map(lambda _: jnp.full((), jnp.nan, jnp.float32),
-                                             params)
-    return InstrumentsState(
-        step=jnp.zeros((), jnp.int32),
-        # A copy: the step may donate `params`, which must not delete `initial`.
-        initial=jax.tree.map(jnp.copy, params) if "distance" in wants else None,
-        previous_update=(jax.tree.map(jnp.zeros_like, params) if wants_alpha else None),
-        previous_loss=(zero(), zero()) if wants_alpha else None,
-        previous_slope=(zero(), zero()) if wants_alpha else None,
-        curvature=measured,
-        key=key if curvature else None)
+    states = {n: f.init(params, key) for n, f in chosen.items()}
+    return InstrumentsState(step=jnp.zeros((), jnp.int32),
+                            families={n: v for n, v in states.items() if v is not None})
 
-  def selection_of(records):
-    return collect(f"{api}.update", records, names, tied=tied)
-
-  def slopes(selection, directions):
-    """`(B,)`: per example, `<grad l_i, direction>` over the recorded layers, the
-    direction by key (`Selection.splitter`)."""
-    total = selection.products(directions)
-    return _common.loss_scale(reduction, total.shape[0]) * total
-
-  def moment_readings(records, loss, learning_rate, params):
-    readings = {}
-    if wants & {"mean_gsnr", "early_stopping", "cabs"}:
-      moments, batch = _instruments.layer_moments(
-          f"{api}.update", records, reduction=reduction, names=names, tied=tied)
-      mean_sq = [(m * m, s / batch) for moment in moments.values()
-                 for m, s in zip(jax.tree.leaves(moment.mean),
-                                 jax.tree.leaves(moment.sum_squares))]
-      count = sum(m.size for m, _ in mean_sq)
-    if "mean_gsnr" in wants:
-      readings["mean_gsnr"] = sum(
-          jnp.sum(g2 / (s - g2 + _GSNR_EPS)) for g2, s in mean_sq) / count
-    if "early_stopping" in wants:
-      snr = sum(jnp.sum(g2 / ((s - g2) * batch / (batch - 1) + _EARLY_STOPPING_EPS))
-                for g2, s in mean_sq)
-      readings["early_stopping"] = 1 - batch * snr / count
-    if "cabs" in wants:
-      mean_loss = loss / batch if reduction == "sum" else loss
-      readings["cabs"] = learning_rate * sum(jnp.sum(s - g2) for g2, s in mean_sq) / mean_loss
-    if wants & {"grad_hist_1d", "grad_hist_2d"}:
-      selection = selection_of(records)
-      batch = _common.one_batch_size(f"{api}.update", selection.batch_sizes, minimum=2)
-      two_d = "grad_hist_2d" in wants
-      values = ({**selection.values(), **selection.by_path(f"{api}.update", params)}
-                if two_d else {})
-      hist = _histograms.histograms(f"{api}.update", selection,
-                                    _common.loss_scale(reduction, batch), values,
-                                    two_d=two_d, one_d="grad_hist_1d" in wants)
-      if "grad_hist_1d" in wants:
-        readings["grad_hist_1d"] = {"counts": hist.counts_1d, "edges": hist.edges_1d}
-      if two_d:
-        readings["grad_hist_2d"] = {"counts": hist.counts_2d, "x_edges": hist.edges_2d[0],
-                                    "y_edges": hist.edges_2d[1]}
-    return readings
-
-  def read(state, records, loss, grads, params, updates, losses, learning_rate, start):
-    """The per-step readings, and alpha's start `(loss, slope)` moments if `start`."""
-    readings = {}
-    if "loss" in wants:
-      readings["loss"] = loss
-    if wants & set(_TESTS):
-      tests = _instruments.batch_size_tests(records, reduction=reduction, names=names,
-                                            tied=tied)
-      readings.update({n: getattr(tests, n) for n in _TESTS if n in wants})
-    if wants & set(_MOMENTS):
-      readings.update(moment_readings(records, loss, learning_rate, params))
+  def read(step: Step, states: dict, start: bool):
+    """The per-step families' readings and states after a read step; their leaf
+    inner products in one pass."""
     pairs = {}
-    if "grad_norm" in wants:
-      pairs["grad_norm"] = (grads, grads)
-    if "update_size" in wants:
-      pairs["update_size"] = (updates, updates)
-    if "distance" in wants:
-      moved = jax.tree.map(jnp.subtract, params, state.initial)
-      pairs["distance"] = (moved, moved)
-    if wants_alpha:
-      pairs["slope_1"] = (grads, state.previous_update)
-      pairs["previous_size"] = (state.previous_update, state.previous_update)
-    if start:
-      pairs["slope_0"] = (grads, updates)
-    sums = _step_quality.leaf_inner_products(pairs) if pairs else {}
-    treedef = jax.tree.structure(params)
-    per_parameter = {}
-    for n in _NORMS:
-      if n in wants:
-        readings[n] = jnp.sqrt(sum(sums[n]))
-        per_parameter[n] = jax.tree.unflatten(treedef, [jnp.sqrt(v) for v in sums[n]])
-    if per_parameter:
-      readings[PER_PARAMETER] = per_parameter
-    begun = None
-    if weighted:
-      selection = selection_of(records)
-      split = selection.splitter(f"{api}.update", params, where)
-      loss_1 = (jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1))
-      slope_var = jnp.var(slopes(selection, split(state.previous_update)), ddof=1)
-      size = jnp.sqrt(sum(sums["previous_size"]))
-      safe = jnp.where(size == 0, 1.0, size)
-      slope_1 = sum(sums["slope_1"])
-      alpha = _step_quality.alpha_from_moments(
-          size, (state.previous_loss[0], loss_1[0], state.previous_slope[0] / safe,
-                 slope_1 / safe),
-          (state.previous_loss[1], loss_1[1], state.previous_slope[1] / safe**2,
-           slope_var / safe**2))
-      readings["alpha"] = jnp.where(state.step > 0, alpha, jnp.nan)
-      if start:
-        begun = (loss_1, (sum(sums["slope_0"]), jnp.var(
-            slopes(selection, split(updates)), ddof=1)))
-    elif wants_alpha:
-      alpha = _step_quality.step_alpha(state.previous_loss[0], state.previous_slope[0],
-                                       loss, sum(sums["slope_1"]), fit="unweighted")
-      readings["alpha"] = jnp.where(state.step > 0, alpha, jnp.nan)
-      if start:
-        zero = jnp.zeros((), jnp.float32)
-        begun = ((jnp.asarray(loss, jnp.float32), zero), (sum(sums["slope_0"]), zero))
-    readings = {n: readings[n] for n in [*per_step, PER_PARAMETER] if n in readings}
-    return _float32(readings), begun
-
-  def start_only(records, loss, grads, params, updates, losses):
-    """Alpha's start moments alone (a step before a read step)."""
-    slope = _step_quality.inner_products({"s": (grads, updates)})["s"]
-    if not weighted:
-      zero = jnp.zeros((), jnp.float32)
-      return (jnp.asarray(loss, jnp.float32), zero), (slope, zero)
-    selection = selection_of(records)
-    directions = selection.splitter(f"{api}.update", params, where)(updates)
-    return ((jnp.asarray(loss, jnp.float32), jnp.var(losses, ddof=1)),
-            (slope, jnp.var(slopes(selection, directions), ddof=1)))
-
-  def measure_curvature(records, hessian_loss, params, key):
-    measured = {}
-    keys = dict(zip(("diagonal", "eigenvalue"), jax.random.split(key)))
-    if wants & set(_DIAGONAL):
-      diagonal = _hessian.hessian_diagonal(hessian_loss, params, key=keys["diagonal"],
-                                           num_products=num_products, exact=exact_diagonal)
-      leaves = [jnp.sum(v) for v in jax.tree.leaves(diagonal)]
-      trace = sum(leaves)
-      if "hessian_trace" in wants:
-        measured["hessian_trace"] = trace
-        measured[PER_PARAMETER] = jax.tree.unflatten(jax.tree.structure(params), leaves)
-      if wants & {"tic_diag", "tic_trace"}:
-        moments, batch = _instruments.layer_moments(
-            f"{api}.update", records, reduction=reduction, names=names, tied=tied)
-        if "tic_trace" in wants:
-          second = sum(jnp.sum(v) for m in moments.values()
-                       for v in jax.tree.leaves(m.sum_squares))
-          measured["tic_trace"] = second / batch / (trace + _TIC_EPS)
-        if "tic_diag" in wants:
-          curvatures = selection_of(records).splitter(f"{api}.update", params,
-                                                       where)(diagonal)
-          measured["tic_diag"] = sum(
-              jnp.sum(s / batch / (h.reshape(s.shape) + _TIC_EPS))
-              for name, m in moments.items()
-              for s, h in zip(jax.tree.leaves(m.sum_squares),
-                              jax.tree.leaves(curvatures[name])))
-    if "hessian_max_eigenvalue" in wants:
-      measured["hessian_max_eigenvalue"] = _hessian.hessian_max_eigenvalue(
-          hessian_loss, params, key=keys["eigenvalue"], num_products=num_products)
-    return _float32(measured)
+    for name, family in per_step.items():
+      if family.pairs is not None:
+        pairs.update(family.pairs(step, states.get(name), start))
+    step.sums = _step_quality.leaf_inner_products(pairs) if pairs else {}
+    readings, states = {}, dict(states)
+    for name, family in per_step.items():
+      out, new = family.read(step, states.get(name), start)
+      readings = _merge(readings, out)
+      if new is not None:
+        states[name] = new
+    return readings, states
 
   def phase(step: int) -> str:
     """What step `step` (a Python int) does under the schedule."""
@@ -562,43 +347,31 @@ def training_instruments(
       reads, starts = phase in ("read", "read_start"), wants_alpha and phase in (
           "start", "read_start")
     losses = None if losses is None else jnp.asarray(losses, jnp.float32)
-    args = (state, records, loss, grads, params, updates, losses, learning_rate)
-    keep = lambda: (state.previous_loss, state.previous_slope, state.previous_update)
+
+    def new_step() -> Step:  # One per branch: nothing traced in one is read in another.
+      return Step(config, state.step, records, loss=loss, grads=grads, params=params,
+                  updates=updates, losses=losses, learning_rate=learning_rate,
+                  hessian_loss=hessian_loss)
+
+    states = dict(state.families)
     if reads is True and starts is True:  # Read, and start the next alpha in one pass.
-      readings, begun = read(*args, start=wants_alpha)
-      begun = (*begun, updates) if wants_alpha else None
+      readings, states = read(new_step(), states, start=wants_alpha)
     else:
-      shapes = jax.eval_shape(lambda: read(*args, start=False)[0])
-      readings = when(reads, lambda: read(*args, start=False)[0],
+      shapes = jax.eval_shape(lambda: read(new_step(), states, start=False)[0])
+      readings = when(reads, lambda: read(new_step(), states, start=False)[0],
                       lambda: jax.tree.map(_unread, shapes))
-      begun = None
-      if wants_alpha:
-        begun = when(starts, lambda: (*start_only(records, loss, grads, params, updates,
-                                                  losses), updates), keep)
-    previous = {}
-    if wants_alpha:
-      previous = dict(zip(("previous_loss", "previous_slope", "previous_update"), begun))
-    measured, key = state.curvature, state.key
-    if curvature:
-      key, use = jax.random.split(state.key)
-      measured = lax.cond(state.step % curvature_every == 0,
-                          lambda: measure_curvature(records, hessian_loss, params, use),
-                          lambda: state.curvature)
-      readings.update({n: measured[n] for n in curvature})
-      if PER_PARAMETER in measured:
-        readings[PER_PARAMETER] = {**readings.get(PER_PARAMETER, {}),
-                                   "hessian_trace": measured[PER_PARAMETER]}
+      if starting:  # Only the states that a start changes go through its condition.
+        kept = {n: states[n] for n in starting}
+        states.update(when(
+            starts, lambda: {n: per_step[n].start(new_step(), kept[n]) for n in starting},
+            lambda: kept))
+    for name, family in every_call.items():
+      out, states[name] = family.read(new_step(), states[name], False)
+      readings = _merge(readings, out)
     readings = {n: readings[n] for n in [*instruments, PER_PARAMETER] if n in readings}
-    return readings, dataclasses.replace(state, step=state.step + 1, curvature=measured,
-                                         key=key, **previous)
+    return readings, InstrumentsState(state.step + 1, states)
 
   return InstrumentsTransform(init, update, phase)
-
-
-def _float32(tree):
-  return jax.tree.map(
-      lambda v: v if jnp.issubdtype(jnp.result_type(v), jnp.integer)
-      else jnp.asarray(v, jnp.float32), tree)
 
 
 def _unread(shape):
