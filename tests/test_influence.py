@@ -153,8 +153,9 @@ def test_mlp_scores_match_the_dense_formulas(strategy):
   _assert_scores(blocked, scores, tol=1e-6)
 
 
+@pytest.mark.parametrize("passes", ["one_forward", "forward_again_for_the_labels"])
 @pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
-def test_sampled_labels_fit_the_true_fisher(strategy):
+def test_sampled_labels_fit_the_true_fisher(strategy, passes):
   """The curvature from the gradients at labels drawn from the model (a Gaussian
   likelihood: targets drawn around the prediction), batch i's with fold_in(key, i);
   the scores of the data's own labels."""
@@ -162,9 +163,10 @@ def test_sampled_labels_fit_the_true_fisher(strategy):
   train, query = (x[:N], t[:N]), (x[N:], t[N:])
   key = jax.random.PRNGKey(7)
 
-  def sampled_loss(p, x, t, key):  # The model once; labels drawn from its output.
+  def sampled_loss(p, x, t, key):  # Labels drawn from the model's output.
     y, _ = forward(p, x)
-    drawn = lax.stop_gradient(y) + jax.random.normal(key, t.shape)
+    mean = y if passes == "one_forward" else forward(p, x)[0]  # Under stop_gradient.
+    drawn = lax.stop_gradient(mean) + jax.random.normal(key, t.shape)
     return jnp.mean(0.5 * jnp.sum((y - drawn) ** 2, axis=-1))
 
   influence = gl.fit_influence(loss, params, _batches(*train), strategy=strategy,

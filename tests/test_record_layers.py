@@ -912,6 +912,28 @@ def test_layer_coverage_of_a_covered_model_matches_the_methods_used():
   assert all(c.macs > 0 and c.floats > 0 for c in coverage.params.values())
 
 
+def test_a_use_under_stop_gradient_is_no_use():
+  """A target computed from the same weights under `stop_gradient` (a second forward
+  pass, as for sampled labels or a teacher) gets a zero cotangent: each parameter has
+  one use, recorded once, its bias in its dense layer's influence block, and the
+  norms and clipped gradient equal vmap(grad)'s."""
+  params = {"w": _normal(1, 3, 2), "b": _normal(2, 2)}
+
+  def per_example(p, x):
+    out = x @ p["w"] + p["b"]
+    target = jax.lax.stop_gradient(jnp.tanh(x @ p["w"] + p["b"]))
+    return 0.5 * jnp.sum((out - target) ** 2, axis=-1)
+
+  loss, x = _batch_loss(per_example), _normal(3, B, 3)
+  coverage = gl.layer_coverage(loss, params, x)
+  assert {p: [u.kind for u in c.uses] for p, c in coverage.params.items()} == {
+      "w": ["dense"], "b": ["elementwise"]}
+  assert coverage.params["b"].influence == "kronecker (bias of w)"
+  records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+  assert sorted(records) == ["b", "w"]
+  check_found(loss, params, x)
+
+
 def test_penzai_embedding_lookup_is_an_embedding_use():
   """penzai's stock `EmbeddingLookup` (named axes), with its table's value given as
   a frozen parameter (as `pz.freeze_params` leaves it): one embedding use whose

@@ -76,11 +76,10 @@ def fit_influence(
     argnums: the positional argument holding the parameters.
     batch_argnums: the arguments holding the batch (default: all others).
     sampled_loss: for the true Fisher, `sampled_loss(params, *batch, key)`: the
-      mean loss on labels drawn with `key` from the model's output, the model run
-      once (e.g. `labels = jax.random.categorical(key, lax.stop_gradient(logits))`
-      for a classifier: a second forward pass would be a second use of every
-      parameter); the curvature is fitted from its gradients. `None`: the
-      empirical Fisher, of `loss` on the batch's labels.
+      mean loss on labels drawn with `key` from the model's output (e.g. `labels =
+      jax.random.categorical(key, lax.stop_gradient(logits))` for a classifier);
+      the curvature is fitted from its gradients. `None`: the empirical Fisher, of
+      `loss` on the batch's labels.
     key: the PRNG key of `sampled_loss` (default `jax.random.PRNGKey(0)`).
     progress: print each pass's progress to stderr (default: when stderr is a
       terminal).

@@ -60,6 +60,11 @@ Sharp edges:
     needed: the walk finds the same operations.
   * The jaxpr is re-emitted with inner `jit`s inlined where they hold uses (as any
     outer transformation does; their shardings are not kept).
+  * A use whose output reaches the loss only through `stop_gradient` (a target
+    computed from the same weights, labels sampled from the model) gets a zero
+    cotangent and is not recorded, where it is outside any inner `jit`, `scan` or
+    other call of the loss; inside one, it is recorded (with zeros) and counts as a
+    use of its parameters.
 
 The package, one concept a module: `_spec.py` (what a record says about its use),
 `_walk.py` (the classifying interpreter and its rule table), `_emit.py` (the jaxpr

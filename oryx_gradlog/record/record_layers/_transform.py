@@ -60,6 +60,9 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
         f"{signature.batch_size} and {2 * signature.batch_size} ({error.what}, at "
         f"equation {error.path}). record_layers finds the batch axis by tracing at both "
         "sizes; make the function's structure independent of the batch size.") from None
+  live = _live_equations(closed.jaxpr, 0)
+  for path in [p for p in analysis.uses if p[0] not in live]:
+    del analysis.uses[path]  # Its output reaches the loss only through stop_gradient.
   if outs and outs[0].coupled:  # The loss mixes examples: nothing is per example.
     for use in analysis.uses.values():
       if use.kind != UNSUPPORTED:
@@ -97,6 +100,26 @@ def _differentiable_inputs(jaxpr, output: int) -> list[bool]:
   out = jaxpr.outvars[output]
   reached = set() if isinstance(out, jax.extend.core.Literal) else deps.get(out, set())
   return [u and i in reached for i, u in enumerate(used)]
+
+
+def _live_equations(jaxpr, output: int) -> set[int]:
+  """The top-level equations through which output `output` (the loss) depends on
+  floating values: the others (feeding only `stop_gradient`, integer values or other
+  outputs) get a zero cotangent, so their uses are not recorded (a target computed
+  from the same weights under `stop_gradient` is not a second use of them)."""
+  out = jaxpr.outvars[output]
+  live = set() if isinstance(out, jax.extend.core.Literal) else {out}
+  equations = set()
+  for k in reversed(range(len(jaxpr.eqns))):
+    eqn = jaxpr.eqns[k]
+    if not any(v in live for v in eqn.outvars):
+      continue
+    equations.add(k)
+    if eqn.primitive.name == "stop_gradient":
+      continue
+    live.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)
+                and hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact))
+  return equations
 
 
 def _check_complete(api, jaxpr, analysis: _Analysis, arg_kinds, names) -> None:
