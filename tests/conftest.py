@@ -1,4 +1,14 @@
-"""Shared test helpers: the ways a reaped function is run, and tolerances."""
+"""Shared test helpers: the ways a reaped function is run, and tolerances.
+
+The tests are laid out like the package: `record/` (sites, reaps, `record_layers`
+and the stock models it reads), `statistics/`, `storage/` (the log, the report, the
+command line), `analyses/<concern>/` (per-example, instruments, attribution; the
+analyses of one backward pass in `analyses/test_analyses.py`). At the top: checks
+of the whole package (its API, docstrings, examples, README, install, benchmarks,
+many processes, float64) and the shared helpers (`per_example.py`: `vmap(grad)`
+references for found layers; this module). Tests marked `slow` run with
+GRADLOG_SLOW_TESTS set.
+"""
 
 import os
 

@@ -30,7 +30,7 @@ Sharp edges:
   * These rules take over only in those cases; other scans, conds and jits (clobber
     sows, matching branches, no shardings) go to Oryx's own rules unchanged. The registry is global, so
     this applies to every Oryx reap in the process.
-  * The canary tests in `tests/test_oryx_canaries.py` say which of these cases
+  * The canary tests in `tests/record/test_oryx_canaries.py` say which of these cases
     each Oryx still fails, so a rule can be deleted once no supported Oryx needs it.
   * The primitives and Oryx internals used here come from `_internals.py`.
 """
