@@ -5,9 +5,10 @@ The model is example 11's GPT-style decoder (imported from
 trains): `nnx.Embed`, a learned position embedding, causal `nnx.MultiHeadAttention`,
 `nnx.LayerNorm` and an `nnx.Linear` 4x GELU MLP, 4 blocks of width 256 with 4 heads,
 vocabulary 256, a mean token cross-entropy per example and the mean over the batch.
-No layer is marked: every analysis finds the layers in the jaxpr. Two regimes:
-large batches of short sequences (sequence 32, batch 128: where DP-SGD trains, and
-where `vmap` pays most) and sequence 128, batch 32.
+No layer is marked: every analysis finds the layers in the jaxpr. Three regimes of
+4,096 tokens a batch: large batches of short sequences (sequence 32, batch 128:
+where DP-SGD trains, and where `vmap` pays most), sequence 128, batch 32, and
+sequence 512, batch 8 (where each example's activations outweigh its gradient).
 
 Variants of one gradient step, each a `jax.jit` of a function of `(params, inputs,
 targets)` called in a Python loop, as users run it. Nothing is donated: each call
@@ -105,7 +106,7 @@ class Decoder:
     return f"seq {self.seq} x batch {self.batch}"
 
 
-FULL = (Decoder(seq=32, batch=128), Decoder(seq=128, batch=32))
+FULL = (Decoder(seq=32, batch=128), Decoder(seq=128, batch=32), Decoder(seq=512, batch=8))
 FULL_COMPILE = Decoder(depth=24, seq=32, batch=128)
 QUICK = (Decoder(depth=2, width=64, vocab=64, seq=16, batch=32),
          Decoder(depth=2, width=64, vocab=64, seq=32, batch=8))
