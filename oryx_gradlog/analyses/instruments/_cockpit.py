@@ -348,25 +348,25 @@ def training_instruments(
           "start", "read_start")
     losses = None if losses is None else jnp.asarray(losses, jnp.float32)
 
-    def new_step() -> Step:  # One per branch: nothing traced in one is read in another.
-      return Step(config, state.step, records, loss=loss, grads=grads, params=params,
-                  updates=updates, losses=losses, learning_rate=learning_rate,
-                  hessian_loss=hessian_loss)
+    # `call.fresh()` in each branch: nothing traced in one is read in another.
+    call = Step(config, state.step, records, loss=loss, grads=grads, params=params,
+                updates=updates, losses=losses, learning_rate=learning_rate,
+                hessian_loss=hessian_loss)
 
     states = dict(state.families)
     if reads is True and starts is True:  # Read, and start the next alpha in one pass.
-      readings, states = read(new_step(), states, start=wants_alpha)
+      readings, states = read(call.fresh(), states, start=wants_alpha)
     else:
-      shapes = jax.eval_shape(lambda: read(new_step(), states, start=False)[0])
-      readings = when(reads, lambda: read(new_step(), states, start=False)[0],
+      shapes = jax.eval_shape(lambda: read(call.fresh(), states, start=False)[0])
+      readings = when(reads, lambda: read(call.fresh(), states, start=False)[0],
                       lambda: jax.tree.map(_unread, shapes))
       if starting:  # Only the states that a start changes go through its condition.
         kept = {n: states[n] for n in starting}
         states.update(when(
-            starts, lambda: {n: per_step[n].start(new_step(), kept[n]) for n in starting},
+            starts, lambda: {n: per_step[n].start(call.fresh(), kept[n]) for n in starting},
             lambda: kept))
     for name, family in every_call.items():
-      out, states[name] = family.read(new_step(), states[name], False)
+      out, states[name] = family.read(call.fresh(), states[name], False)
       readings = _merge(readings, out)
     readings = {n: readings[n] for n in [*instruments, PER_PARAMETER] if n in readings}
     return readings, InstrumentsState(state.step + 1, states)

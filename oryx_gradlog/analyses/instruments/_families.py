@@ -20,8 +20,8 @@ families read under one condition (the schedule); the curvature family
 (`every_step=True`) reads on every call and measures every `curvature_every`
 steps under its own `lax.cond`, with a `Step.fresh()` of its own.
 
-Adding an instrument: a function `(wants, config) -> Family | None` here, and its
-names and function in `FAMILIES`.
+Adding an instrument: a function `(wants, config) -> Family` here, and its names
+and function in `FAMILIES`.
 
 Sharp edges:
   * A family's readings are float32 (histogram counts int32).
@@ -175,12 +175,10 @@ def histograms_family(wants, config) -> Family:
   api = f"{config.api}.update"
 
   def read(step, state, start):
-    selection = step.selection
-    batch = _common.one_batch_size(api, selection.batch_sizes, minimum=2)
     two_d = "grad_hist_2d" in wants
-    values = {**selection.values(), **selection.by_path(api, step.params)} if two_d else {}
-    hist = _histograms.histograms(api, selection, _common.loss_scale(config.reduction, batch),
-                                  values, two_d=two_d, one_d="grad_hist_1d" in wants)
+    hist = _histograms.histograms(api, step.selection, config.reduction,
+                                  step.params if two_d else None, two_d=two_d,
+                                  one_d="grad_hist_1d" in wants)
     out = {}
     if "grad_hist_1d" in wants:
       out["grad_hist_1d"] = {"counts": hist.counts_1d, "edges": hist.edges_1d}

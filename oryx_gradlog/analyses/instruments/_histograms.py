@@ -133,12 +133,18 @@ def _view_counts(view, scale, bins: int, value_range) -> jax.Array:
   return total
 
 
-def histograms(api: str, selection: Selection, scale, values, *, two_d: bool,
-               one_d: bool = True, bins_1d=BINS_1D, range_1d=RANGE_1D, bins_2d=BINS_2D,
-               range_2d=RANGE_2D) -> GradientHistograms:
-  """The histograms of a selection's per-example gradients times `scale` (those of
-  the per-example losses); `values` gives the parameters by key (for 2-D). Without
-  `one_d`, `counts_1d` is `None`."""
+def histograms(api: str, selection: Selection, reduction: str, params: Any = None, *,
+               two_d: bool, one_d: bool = True, bins_1d=BINS_1D, range_1d=RANGE_1D,
+               bins_2d=BINS_2D, range_2d=RANGE_2D) -> GradientHistograms:
+  """The histograms of a selection's per-example gradients (of the per-example
+  losses); the 2-D one pairs them with the values the records hold, or those of
+  `params` (a tree like the recorded parameters). Without `one_d`, `counts_1d` is
+  `None`."""
+  batch = _common.one_batch_size(api, selection.batch_sizes, minimum=2)
+  scale = _common.loss_scale(reduction, batch)
+  values = selection.values()
+  if params is not None:
+    values.update(selection.by_path(api, params))
   counts_1d = jnp.zeros((bins_1d,), jnp.int32)
   pairs = []
   for key, uses in selection.groups.items():
@@ -210,10 +216,5 @@ def gradient_histograms(
   api = "gradient_histograms"
   selection = _common.select(api, records, reduction=reduction, names=names, tied=tied,
                              method="auto")
-  batch = _common.one_batch_size(api, selection.batch_sizes, minimum=2)
-  values = selection.values()
-  if params is not None:
-    values.update(selection.by_path(api, params))
-  return histograms(api, selection, _common.loss_scale(reduction, batch), values,
-                    two_d=two_d, bins_1d=bins_1d, range_1d=range_1d, bins_2d=bins_2d,
-                    range_2d=range_2d)
+  return histograms(api, selection, reduction, params, two_d=two_d, bins_1d=bins_1d,
+                    range_1d=range_1d, bins_2d=bins_2d, range_2d=range_2d)

@@ -60,9 +60,11 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
         f"{signature.batch_size} and {2 * signature.batch_size} ({error.what}, at "
         f"equation {error.path}). record_layers finds the batch axis by tracing at both "
         "sizes; make the function's structure independent of the batch size.") from None
-  live = _live_equations(closed.jaxpr, 0)
-  for path in [p for p in analysis.uses if p[0] not in live]:
-    del analysis.uses[path]  # Its output reaches the loss only through stop_gradient.
+  # A use whose output reaches the loss only through stop_gradient (a target from the
+  # same weights, labels sampled from the model) has a zero cotangent: not a use.
+  live_equations, live = _gradient_paths(closed.jaxpr, 0)
+  for path in [p for p in analysis.uses if p[0] not in live_equations]:
+    del analysis.uses[path]
   if outs and outs[0].coupled:  # The loss mixes examples: nothing is per example.
     for use in analysis.uses.values():
       if use.kind != UNSUPPORTED:
@@ -71,7 +73,7 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
                       "value reduced over the batch is used per example again, as batch "
                       "norm does in training), so no parameter has a per-example "
                       "gradient")
-  _check_complete(api, closed.jaxpr, analysis, dynamic_kinds, dynamic_names)
+  _check_complete(api, closed.jaxpr, analysis, dynamic_kinds, dynamic_names, live)
   params = tuple((n, tuple(v.aval.shape), v.aval.dtype)
                  for n, k, v in zip(dynamic_names, dynamic_kinds, closed.jaxpr.invars)
                  if k == "param")
@@ -82,31 +84,12 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
   return traced, signature
 
 
-def _differentiable_inputs(jaxpr, output: int) -> list[bool]:
-  """Which inputs output `output` of `jaxpr` depends on through floating values: JAX's
-  dead-code elimination (which knows every primitive's bodies), less what reaches the
-  output only through integer or boolean values (a comparison, a `cond`'s index) or
-  `stop_gradient`, which carry no gradient. Conservative through bodies."""
-  used = _internals.used_inputs(jaxpr, output)
-  deps = {v: frozenset({i}) for i, v in enumerate(jaxpr.invars)
-          if jnp.issubdtype(v.aval.dtype, jnp.inexact)}
-  for eqn in jaxpr.eqns:
-    ins = frozenset() if eqn.primitive.name == "stop_gradient" else frozenset().union(
-        *(deps.get(v, frozenset()) for v in eqn.invars
-          if not isinstance(v, jax.extend.core.Literal)))
-    for v in eqn.outvars:
-      if hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact):
-        deps[v] = ins
-  out = jaxpr.outvars[output]
-  reached = set() if isinstance(out, jax.extend.core.Literal) else deps.get(out, set())
-  return [u and i in reached for i, u in enumerate(used)]
-
-
-def _live_equations(jaxpr, output: int) -> set[int]:
-  """The top-level equations through which output `output` (the loss) depends on
-  floating values: the others (feeding only `stop_gradient`, integer values or other
-  outputs) get a zero cotangent, so their uses are not recorded (a target computed
-  from the same weights under `stop_gradient` is not a second use of them)."""
+def _gradient_paths(jaxpr, output: int) -> tuple[set[int], set]:
+  """The top-level equations and the variables through which output `output` (the
+  loss) depends on floating values: not through `stop_gradient`, integer or boolean
+  values (a comparison, a `cond`'s index) or other outputs, which carry no
+  gradient. Conservative through bodies (an equation's outputs depend on all its
+  inputs)."""
   out = jaxpr.outvars[output]
   live = set() if isinstance(out, jax.extend.core.Literal) else {out}
   equations = set()
@@ -119,15 +102,24 @@ def _live_equations(jaxpr, output: int) -> set[int]:
       continue
     live.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)
                 and hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact))
-  return equations
+  return equations, live
 
 
-def _check_complete(api, jaxpr, analysis: _Analysis, arg_kinds, names) -> None:
+def _differentiable_inputs(jaxpr, live) -> list[bool]:
+  """Which inputs the loss depends on differentiably: JAX's dead-code elimination
+  (which knows every primitive's bodies), and a gradient path (`_gradient_paths`'
+  variables `live`)."""
+  used = _internals.used_inputs(jaxpr, 0)
+  return [u and v in live and jnp.issubdtype(v.aval.dtype, jnp.inexact)
+          for u, v in zip(used, jaxpr.invars)]
+
+
+def _check_complete(api, jaxpr, analysis: _Analysis, arg_kinds, names, live) -> None:
   """Completeness, checked on every trace: every float parameter leaf that the loss
   (the first output) depends on differentiably (`_differentiable_inputs`) has a use
   (a record, perhaps `unsupported` with its reason). A leaf that reaches the loss by a
   path the walk did not classify is an error naming the leaf and where it goes."""
-  used = _differentiable_inputs(jaxpr, 0)
+  used = _differentiable_inputs(jaxpr, live)
   covered = frozenset().union(*(use.leaves for use in analysis.uses.values()))
   missing = []
   for i, (kind, name, var, needed) in enumerate(zip(arg_kinds, names, jaxpr.invars, used)):
