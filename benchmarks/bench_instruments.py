@@ -92,7 +92,7 @@ def steps(instruments):
         jax.value_and_grad(marked_loss, has_aux=True))(params, x, target)
     updates = jax.tree.map(lambda g: -LR * g, grads)
     readings, state = instruments.update(
-        state, records, loss=loss, grads=grads, params=params, updates=updates,
+        records, state, loss=loss, grads=grads, params=params, updates=updates,
         losses=losses, learning_rate=LR, phase=phase,
         hessian_loss=lambda p: plain_loss(p, x, target))
     return jax.tree.map(jnp.add, params, updates), state, readings

@@ -42,7 +42,7 @@ def recorded_loop():
       params, state = carry
       grads, records = gl.call_and_reap(jax.grad(_mlp.loss_tap))(params, x, target)
       params = jax.tree.map(lambda p, g: p - LR * g, params, grads)
-      return (params, stats.update(state, records)), None
+      return (params, stats.update(records, state)[1]), None
     _, records = gl.call_and_reap(jax.grad(_mlp.loss_tap))(params, x, target)
     carry = (params, stats.init(records))
     return jax.lax.scan(step, carry, None, length=STEPS)[0]

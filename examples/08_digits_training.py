@@ -91,7 +91,7 @@ def make_step(optimizer, instruments):
         jax.value_and_grad(loss_and_losses, has_aux=True))(params, x, y)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     readings, inst_state = instruments.update(
-        inst_state, records, loss=loss, grads=grads, params=params, updates=updates,
+        records, inst_state, loss=loss, grads=grads, params=params, updates=updates,
         losses=losses)
     taps = {name: v for name, v in records.items() if name.startswith("layer")}
     # Summaries per example of every layer; the full cotangents too (they are small).

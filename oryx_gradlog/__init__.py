@@ -29,14 +29,12 @@ __all__ = (
     "ClippedGrads",
     "DEFAULT_TAG",
     "DPNoiseState",
-    "DPNoiseTransform",
     "GradientHistograms",
     "GradientNoise",
     "GradientSNR",
     "Influence",
     "InfluenceFactors",
     "InstrumentsState",
-    "InstrumentsTransform",
     "KFACFactors",
     "LayerCoverage",
     "LayerInputs",
@@ -55,8 +53,8 @@ __all__ = (
     "RunLog",
     "RunningStats",
     "Schedule",
-    "StatisticsTransform",
     "Summary",
+    "Transform",
     "UseCoverage",
     "VJPRecord",
     "add_dp_noise",
@@ -118,6 +116,10 @@ __all__ = (
 _RENAMED = {
     "clipped_grads": "per_example_clip (records in, the clipped gradient out; "
                      "gl.clipped_grad transforms a loss function, like jax.grad)",
+    **dict.fromkeys(
+        ("DPNoiseTransform", "InstrumentsTransform", "StatisticsTransform"),
+        "Transform (one init/update type for every stateful transformation; update "
+        "takes (inputs, state) in optax's order and returns (outputs, state))"),
 }
 
 

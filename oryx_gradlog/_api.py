@@ -7,6 +7,7 @@ public namespace, and its `__all__` the list of names.
 """
 
 # pylint: disable=unused-import
+from oryx_gradlog._base import Transform
 from oryx_gradlog.analyses.per_example._accounting import (
     dp_epsilon,
     dp_noise_multiplier,
@@ -25,7 +26,6 @@ from oryx_gradlog.analyses.per_example._coverage import (
 )
 from oryx_gradlog.analyses.instruments._cockpit import (
     InstrumentsState,
-    InstrumentsTransform,
     training_instruments,
 )
 from oryx_gradlog.analyses.instruments._schedule import (
@@ -102,7 +102,6 @@ from oryx_gradlog.analyses.instruments._noise import (
 )
 from oryx_gradlog.analyses.per_example._privacy import (
     DPNoiseState,
-    DPNoiseTransform,
     PoissonBatch,
     add_dp_noise,
     dp_noise,
@@ -125,7 +124,6 @@ from oryx_gradlog.record._record import (
 from oryx_gradlog.storage._report import report
 from oryx_gradlog.statistics._running import (
     RunningStats,
-    StatisticsTransform,
     running_statistics,
 )
 from oryx_gradlog.record._sites import DEFAULT_TAG

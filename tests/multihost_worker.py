@@ -61,7 +61,7 @@ def train_step(params, stats, x, y):
   (value, grads), records = gl.call_and_reap(jax.value_and_grad(loss))(params, x, y)
   norms = gl.per_example_norms(records)
   clipped = gl.per_example_clip(records, l2_norm_clip=CLIP)
-  stats = STATS.update(stats, records)
+  _, stats = STATS.update(records, stats)
   params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
   logged = {
       "loss": value,

@@ -9,10 +9,10 @@ from oryx_gradlog.record import _compat
 
 def test_all_is_the_documented_api():
   assert sorted(gl.__all__) == sorted([
-      "ClippedGrads", "DEFAULT_TAG", "DPNoiseState", "DPNoiseTransform", "GradientNoise",
+      "ClippedGrads", "DEFAULT_TAG", "DPNoiseState", "GradientNoise",
       "KFACFactors", "LayerInputs", "LayerParams", "Logged", "MovingAverage", "NoiseScale",
       "NonFiniteReport", "PerExampleNorms", "PoissonBatch", "RunLog", "RunningStats",
-      "StatisticsTransform", "Summary", "VJPRecord", "add_dp_noise", "call_and_reap",
+      "Summary", "VJPRecord", "add_dp_noise", "call_and_reap",
       "per_example_clip", "conv2d", "dense", "dense_dot_general", "dp_epsilon", "dp_noise",
       "dp_noise_multiplier", "embed", "export_tensorboard", "find_nonfinite",
       "gradient_noise_scale", "gradient_variance", "kfac_factors", "layer_norm",
@@ -20,7 +20,7 @@ def test_all_is_the_documented_api():
       "raise_if_nonfinite", "reap", "record_vjp", "report", "running_statistics",
       "sum_grad_squared", "summarize", "tap", "to_param_tree",
       # Training instruments (issue 13).
-      "BatchSizeTests", "GradientSNR", "InstrumentsState", "InstrumentsTransform",
+      "BatchSizeTests", "GradientSNR", "InstrumentsState",
       "batch_size_tests", "gradient_snr", "hessian_max_eigenvalue", "hessian_trace",
       "step_alpha", "training_instruments", "update_size",
       # Cockpit's instruments, all of them (issue 19).
@@ -33,7 +33,9 @@ def test_all_is_the_documented_api():
       "Influence", "InfluenceFactors", "fit_influence", "lds",
       # From the training run itself (issue 26).
       "ProjectedGrads", "Projector", "fit_projector", "projected_grads", "LossSpike",
-      "loss_spikes", "tracin", "tracin_self_influence", "influence_from_run"])
+      "loss_spikes", "tracin", "tracin_self_influence", "influence_from_run",
+      # One init/update type (issue 24).
+      "Transform"])
   assert gl.DEFAULT_TAG == "vjp"
   assert list(gl.__all__) == sorted(gl.__all__)
 
@@ -42,6 +44,9 @@ def test_renamed_names_say_what_to_write():
   with pytest.raises(AttributeError, match=r"clipped_grads was renamed: use "
                      r"gl\.per_example_clip"):
     gl.clipped_grads  # pylint: disable=pointless-statement
+  for old in ("DPNoiseTransform", "InstrumentsTransform", "StatisticsTransform"):
+    with pytest.raises(AttributeError, match=rf"{old} was renamed: use gl\.Transform"):
+      getattr(gl, old)
   with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
     gl.no_such_name  # pylint: disable=pointless-statement
   norms = gl.PerExampleNorms({}, None)

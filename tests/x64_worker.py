@@ -58,7 +58,7 @@ def main():
   state = stats.init({"h": records["h"]})
   history = [np.asarray(records["h"]) * k for k in (1.0, -2.0, 0.5)]
   for value in history:
-    state = jax.jit(stats.update)(state, {"h": value})
+    _, state = jax.jit(stats.update)({"h": value}, state)
   assert state["h"].mean.dtype == jnp.float64
   np.testing.assert_allclose(state["h"].mean, np.mean(history, 0), rtol=RTOL)
   np.testing.assert_allclose(state["h"].variance, np.var(history, 0), rtol=1e-10)

@@ -3,7 +3,7 @@
 The analyses give one step's estimate (K-FAC factors, gradient noise); curvature
 and noise estimates are noisy, so optimizers and monitors keep exponential moving
 averages across steps. `moving_average(decay)` is an optax-style `init`/`update`
-pair over a whole pytree, with Adam's bias correction as a property. Unlike
+pair (a `gl.Transform`) over a whole pytree, with Adam's bias correction as a property. Unlike
 `running_statistics`, which keeps nine statistics per leaf for monitoring, this
 keeps one array per leaf: the size of what it averages.
 
@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.statistics._running import StatisticsTransform, debias
+from oryx_gradlog._base import Transform, order_error
+from oryx_gradlog.statistics._running import debias
 
 
 @functools.partial(
@@ -53,7 +54,7 @@ class MovingAverage:
     return debias(self.value, self.decay, self.steps)
 
 
-def moving_average(decay: float = 0.99) -> StatisticsTransform:
+def moving_average(decay: float = 0.99) -> Transform:
   """Returns `init`/`update` functions of an exponential moving average of a pytree.
 
   `update` computes `decay * value + (1 - decay) * tree`; both are pure, so they run
@@ -63,15 +64,16 @@ def moving_average(decay: float = 0.99) -> StatisticsTransform:
     decay: the decay, in [0, 1).
 
   Returns:
-    A `StatisticsTransform`: `init(tree)` gives a zero `MovingAverage` with the
-    structure of `tree`; `update(state, tree)` folds one step in.
+    A `gl.Transform`: `init(tree)` gives a zero `MovingAverage` with the
+    structure of `tree`; `update(tree, state, params=None)` returns `(tree, state)`,
+    the tree unchanged and the state with one step folded in.
 
   Example:
     >>> import jax.numpy as jnp, oryx_gradlog as gl
     >>> ema = gl.moving_average(decay=0.5)
     >>> state = ema.init({"a": jnp.zeros(2)})
     >>> for step in range(2):
-    ...   state = ema.update(state, {"a": jnp.array([2.0, 4.0])})
+    ...   _, state = ema.update({"a": jnp.array([2.0, 4.0])}, state)
     >>> state.value["a"], state.debiased["a"]
     (Array([1.5, 3. ], dtype=float32), Array([2., 4.], dtype=float32))
   """
@@ -81,7 +83,10 @@ def moving_average(decay: float = 0.99) -> StatisticsTransform:
   def init(tree):
     return MovingAverage(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, tree), decay)
 
-  def update(state, tree):
+  def update(tree, state, params=None):
+    del params  # For optax.chain.
+    if (error := order_error("moving_average.update", MovingAverage, tree)):
+      raise error
     expected, got = jax.tree.structure(state.value), jax.tree.structure(tree)
     if expected != got or any(
         jnp.shape(a) != jnp.shape(b)
@@ -92,6 +97,6 @@ def moving_average(decay: float = 0.99) -> StatisticsTransform:
           f"{jax.tree.map(jnp.shape, tree)}). Keep names, structure, static fields and "
           "shapes from step to step, or init a new state.")
     value = jax.tree.map(lambda v, x: decay * v + (1.0 - decay) * x, state.value, tree)
-    return MovingAverage(state.steps + 1, value, decay)
+    return tree, MovingAverage(state.steps + 1, value, decay)
 
-  return StatisticsTransform(init, update)
+  return Transform(init, update)

@@ -1,8 +1,9 @@
 """Running statistics of records across training steps, as a functional state.
 
-In the optax style: `running_statistics(...)` returns a `StatisticsTransform` whose
-`init(records)` builds a state pytree and `update(state, records)` folds in one
-step's records. Both are pure, so they run inside a jitted step or a `lax.scan` over
+In the optax style: `running_statistics(...)` returns a `gl.Transform` whose
+`init(records)` builds a state pytree and `update(records, state)` folds in one
+step's records and returns `(records, state)`, the records unchanged (so it also
+sits in an `optax.chain`, keeping statistics of the gradients). Both are pure, so they run inside a jitted step or a `lax.scan` over
 steps, and the state's size does not grow with the number of steps: per record leaf
 it holds a Welford mean and sum of squared deviations (stable for long runs), an
 exponential moving average, element-wise min, max and non-finite counts, and the
@@ -26,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from oryx_gradlog._base import Transform, order_error
 from oryx_gradlog.statistics._summaries import DEFAULT_BINS, float_dtype, magnitude_histogram
 
 
@@ -89,14 +91,7 @@ def debias(tree: Any, decay: float, steps: jax.Array) -> Any:
   return jax.tree.map(lambda v: v / safe.astype(v.dtype), tree)
 
 
-class StatisticsTransform(NamedTuple):
-  """A pair of pure functions, as an optax `GradientTransformation` is."""
-
-  init: Any
-  update: Any
-
-
-def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsTransform:
+def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> Transform:
   """Returns `init`/`update` functions that keep running statistics of records.
 
   Args:
@@ -104,16 +99,17 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsT
     bins: magnitude histogram edges (default `magnitude_bins()`).
 
   Returns:
-    A `StatisticsTransform`: `init(records)` gives a state with the structure of
-    `records` and a `RunningStats` per leaf; `update(state, records)` returns the
-    state with one more step folded in.
+    A `gl.Transform`: `init(records)` gives a state with the structure of
+    `records` and a `RunningStats` per leaf; `update(records, state, params=None)`
+    returns `(records, state)`: the records unchanged and the state with one more
+    step folded in.
 
   Example:
     >>> import jax.numpy as jnp, oryx_gradlog as gl
     >>> stats = gl.running_statistics(decay=0.5)
     >>> state = stats.init({"h": jnp.zeros(2)})
     >>> for step in range(3):
-    ...   state = stats.update(state, {"h": jnp.array([1.0, 2.0]) * step})
+    ...   _, state = stats.update({"h": jnp.array([1.0, 2.0]) * step}, state)
     >>> state["h"].mean, state["h"].variance
     (Array([1., 2.], dtype=float32), Array([0.6666667, 2.6666667], dtype=float32))
   """
@@ -162,20 +158,30 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> StatisticsT
   def init(records):
     return jax.tree.map(init_leaf, records)
 
-  def update(state, records):
+  def update(records, state, params=None):
+    del params  # For optax.chain.
+    if (error := order_error("running_statistics.update", RunningStats, records)):
+      raise error
     is_stats = lambda node: isinstance(node, RunningStats)
-    for name in set(state) | set(records):
-      old, new = state.get(name), records.get(name)
-      if old is None or new is None or (
+
+    def mismatch(old, new) -> bool:
+      return old is None or new is None or (
           jax.tree.structure(old, is_leaf=is_stats) != jax.tree.structure(new)
           or any(s.mean.shape != jnp.shape(x) for s, x in zip(
-              jax.tree.leaves(old, is_leaf=is_stats), jax.tree.leaves(new)))):
-        raise ValueError(
-            f"running_statistics.update: record {name!r} does not match the state "
-            f"it updates (state has {jax.tree.map(lambda s: s.mean.shape, old, is_leaf=is_stats)}"
-            f", records have {jax.tree.map(jnp.shape, new)}). Records must keep their "
-            "names, structure and shapes from step to step; init a new state for new ones."
-        )
-    return jax.tree.map(update_leaf, state, records, is_leaf=is_stats)
+              jax.tree.leaves(old, is_leaf=is_stats), jax.tree.leaves(new))))
 
-  return StatisticsTransform(init, update)
+    if mismatch(state, records):
+      both = isinstance(state, dict) and isinstance(records, dict)
+      for name in (set(state) | set(records)) if both else [None]:
+        old, new = (state.get(name), records.get(name)) if both else (state, records)
+        if mismatch(old, new):
+          raise ValueError(
+              f"running_statistics.update: "
+              f"{'the records' if name is None else f'record {name!r}'} does not match "
+              "the state it updates (state has "
+              f"{jax.tree.map(lambda s: s.mean.shape, old, is_leaf=is_stats)}, records "
+              f"have {jax.tree.map(jnp.shape, new)}). Records must keep their names, "
+              "structure and shapes from step to step; init a new state for new ones.")
+    return records, jax.tree.map(update_leaf, state, records, is_leaf=is_stats)
+
+  return Transform(init, update)

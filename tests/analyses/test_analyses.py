@@ -377,7 +377,7 @@ def test_kfac_moving_average_across_steps():
     def step(state, scale):
       records = gl.reap(jax.grad(_batch_loss(mlp_loss)))(params, scale * x, y)
       factors = gl.kfac_factors(records)
-      return ema.update(state, factors), factors
+      return ema.update(factors, state)[1], factors
     state = ema.init(gl.kfac_factors(gl.reap(jax.grad(_batch_loss(mlp_loss)))(params, x, y)))
     return jax.lax.scan(step, state, jnp.array([1.0, 0.5, 2.0]))
 
@@ -472,7 +472,7 @@ def test_noise_scale_tracked_with_a_moving_average_of_its_estimates():
   estimates = []
   for xb, yb in batches:
     estimates.append(_noise_reference(_per_example_grads(mlp_loss, params, xb, yb), 8))
-    state = ema.update(state, noise_of(params, xb, yb))
+    _, state = ema.update(noise_of(params, xb, yb), state)
   grad_sq = sum(0.5 ** (2 - k) * 0.5 * g for k, (g, _) in enumerate(estimates))
   trace = sum(0.5 ** (2 - k) * 0.5 * t for k, (_, t) in enumerate(estimates))
   np.testing.assert_allclose(state.debiased.total.b_simple, trace / grad_sq, rtol=1e-4)

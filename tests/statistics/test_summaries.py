@@ -245,7 +245,7 @@ def test_running_statistics_match_numpy_over_the_history(finite_steps):
   @jax.jit
   def run(history):
     def step(state, x):
-      return stats.update(state, {"r": (x, x[0])}), None
+      return stats.update({"r": (x, x[0])}, state)[1], None
     return jax.lax.scan(step, stats.init({"r": (history[0], history[0, 0])}), history)[0]
 
   state = run(history)["r"][0]
@@ -269,6 +269,38 @@ def test_running_statistics_reject_changed_records():
   stats = gl.running_statistics()
   state = stats.init({"h": jnp.zeros(3)})
   with pytest.raises(ValueError, match=r"running_statistics.update: record 'h' does not match"):
-    stats.update(state, {"h": jnp.zeros(4)})
+    stats.update({"h": jnp.zeros(4)}, state)
   with pytest.raises(ValueError, match=r"record 'g' does not match"):
-    stats.update(state, {"h": jnp.zeros(3), "g": jnp.zeros(3)})
+    stats.update({"h": jnp.zeros(3), "g": jnp.zeros(3)}, state)
+
+
+def test_statistics_pass_their_inputs_on_and_sit_in_an_optax_chain():
+  """`gl.Transform`: update(inputs, state) -> (outputs, state); the statistics observe."""
+  optax = pytest.importorskip("optax")
+  grads = [{"w": jnp.array([2.0, -4.0]), "b": jnp.array(1.0)},
+           {"w": jnp.array([0.5, 3.0]), "b": jnp.array(-1.0)}]
+  tx = optax.chain(gl.running_statistics(), gl.moving_average(0.5), optax.sgd(0.1))
+  params = {"w": jnp.zeros(2), "b": jnp.zeros(())}
+  state = tx.init(params)
+  for g in grads:
+    updates, state = jax.jit(tx.update)(g, state, params)
+    for leaf, want in zip(jax.tree.leaves(updates), jax.tree.leaves(g)):
+      np.testing.assert_allclose(leaf, -0.1 * np.asarray(want), rtol=1e-6)
+  stats, ema = state[0], state[1]
+  history = {k: np.stack([g[k] for g in grads]) for k in ("w", "b")}
+  for k in ("w", "b"):
+    np.testing.assert_allclose(stats[k].mean, history[k].mean(0), rtol=1e-6)
+    np.testing.assert_allclose(stats[k].max, history[k].max(0))
+    np.testing.assert_allclose(ema.value[k], 0.25 * history[k][0] + 0.5 * history[k][1])
+  x = {"h": jnp.arange(3.0)}
+  out, _ = gl.moving_average().update(x, gl.moving_average().init(x))
+  assert out is x
+
+
+def test_the_old_argument_order_is_an_error_that_says_the_new_one():
+  for transform, tree in ((gl.running_statistics(), {"h": jnp.zeros(3)}),
+                          (gl.moving_average(), {"h": jnp.zeros(3)})):
+    state = transform.init(tree)
+    with pytest.raises(TypeError, match=r"update takes \(inputs, state\) in optax's order"):
+      transform.update(state, tree)
+    assert transform.phase is None

@@ -2,7 +2,7 @@
 
 `training_instruments(preset)` gathers Cockpit's instruments (Schneider, Dangel and
 Hennig 2021), with Cockpit's definitions, into one pure transform that runs inside
-the jitted step and on the device: `update(state, records, ...)` returns the
+the jitted step and on the device: `update(records, state, ...)` returns the
 readings (scalars, per-parameter trees and histogram counts: hand them to
 `RunLog.append` under `"instruments"` and `report` draws them as
 `dashboard.html`, laid out as Cockpit's) and the new state. The state holds what
@@ -107,12 +107,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from oryx_gradlog._base import Transform, order_error
 from oryx_gradlog.analyses.instruments import _families, _step_quality
 from oryx_gradlog.analyses.instruments._families import CURVATURE, PER_PARAMETER, Step
 from oryx_gradlog.analyses.instruments._schedule import as_schedule
@@ -147,16 +148,6 @@ class InstrumentsState:
 
   step: jax.Array
   families: dict[str, Any]
-
-
-class InstrumentsTransform(NamedTuple):
-  """Pure functions, as an optax `GradientTransformation` is (see
-  `training_instruments`): `init`, `update`, and `phase`, what a Python int step
-  does under the schedule."""
-
-  init: Any
-  update: Any
-  phase: Any
 
 
 def _instrument_names(preset) -> tuple[str, ...]:
@@ -194,7 +185,7 @@ def training_instruments(
     tied: Collection[str] = (),
     where: Any = None,
     alpha_fit: str = "weighted",
-) -> InstrumentsTransform:
+) -> Transform:
   """Returns `init`/`update` functions that read Cockpit's instruments in the step.
 
   Args:
@@ -223,8 +214,8 @@ def training_instruments(
       the batch means alone; no `losses` needed, NaN without curvature).
 
   Returns:
-    An `InstrumentsTransform`. `init(params, key=None)` gives the state;
-    `update(state, records, *, loss, grads, params, updates, losses=None,
+    A `gl.Transform`. `init(params, key=None)` gives the state;
+    `update(records, state, *, loss, grads, params, updates, losses=None,
     learning_rate=None, hessian_loss=None, phase=None)` returns `(readings,
     state)`: `readings` a dict by instrument name of scalars, of histograms
     (`{"counts", "edges"}`) and, under `"per_parameter"`, of trees like `params`.
@@ -247,7 +238,7 @@ def training_instruments(
     ...   ((value, losses), grads), records = gl.call_and_reap(
     ...       jax.value_and_grad(loss, has_aux=True))(w, x)
     ...   readings, state = instruments.update(
-    ...       state, records, loss=value, grads=grads, params=w, updates=-0.05 * grads,
+    ...       records, state, loss=value, grads=grads, params=w, updates=-0.05 * grads,
     ...       losses=losses)
     ...   w = w - 0.05 * grads
     >>> round(float(readings["alpha"]), 4)  # f(w) = 5 w^2: step 0.5 / 1 of the way
@@ -291,7 +282,7 @@ def training_instruments(
     step.sums = _step_quality.leaf_inner_products(pairs) if pairs else {}
     readings, states = {}, dict(states)
     for name, family in per_step.items():
-      out, new = family.read(step, states.get(name), start)
+      out, new = family.update(step, states.get(name), start)
       readings = _merge(readings, out)
       if new is not None:
         states[name] = new
@@ -319,10 +310,12 @@ def training_instruments(
           "of the jitted step, or use gl.linear_schedule / gl.logarithmic_schedule."
       ) from error
 
-  def update(state: InstrumentsState, records, *, loss, grads, params, updates,
+  def update(records, state: InstrumentsState, *, loss, grads, params, updates,
              losses=None, learning_rate=None,
              hessian_loss: Callable[[Any], jax.Array] | None = None,
              phase: str | None = None):
+    if (error := order_error(f"{api}.update", InstrumentsState, records)):
+      raise error
     problems = []
     if curvature and hessian_loss is None:
       problems.append(f"the instruments {curvature} need hessian_loss, the batch loss as "
@@ -366,12 +359,12 @@ def training_instruments(
             starts, lambda: {n: per_step[n].start(call.fresh(), kept[n]) for n in starting},
             lambda: kept))
     for name, family in every_call.items():
-      out, states[name] = family.read(call.fresh(), states[name], False)
+      out, states[name] = family.update(call.fresh(), states[name], False)
       readings = _merge(readings, out)
     readings = {n: readings[n] for n in [*instruments, PER_PARAMETER] if n in readings}
     return readings, InstrumentsState(state.step + 1, states)
 
-  return InstrumentsTransform(init, update, phase)
+  return Transform(init, update, phase)
 
 
 def _unread(shape):

@@ -7,7 +7,7 @@ A family (`Family`) reads a few instruments of one step, with its state beside i
 * `pairs(step, state, start)`: the leaf inner products `<a, b>` it needs, by name;
   the chain computes every family's in one pass (`Step.sums`), since each separate
   parameter-sized reduction costs a pass over the parameters;
-* `read(step, state, start)`: its readings and its state after a read step
+* `update(step, state, start)`: its readings and its state after a read step
   (`start`: this step also starts the next read, see `alpha`); without `start`
   the state must come back as it was;
 * `start(step, state)`: its state after a step that only starts the next read.
@@ -113,10 +113,11 @@ class Step:
 
 
 class Family(NamedTuple):
-  """One family of instruments, a small transformation (see the module docstring)."""
+  """One family of instruments, a small transformation in `gl.Transform`'s order,
+  `update(inputs, state, ...) -> (readings, state)` (see the module docstring)."""
 
   init: Callable[[Any, Any], Any]
-  read: Callable[[Step, Any, bool], tuple[dict, Any]]
+  update: Callable[[Step, Any, bool], tuple[dict, Any]]
   pairs: Callable[[Step, Any, bool], dict] | None = None
   start: Callable[[Step, Any], Any] | None = None
   every_step: bool = False

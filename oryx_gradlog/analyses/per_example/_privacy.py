@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from oryx_gradlog._base import Transform
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.per_example._clip import ClippedGrads
 
@@ -109,15 +110,8 @@ class DPNoiseState:
   key: jax.Array
 
 
-class DPNoiseTransform(NamedTuple):
-  """A pair of pure functions, as an optax `GradientTransformation` is."""
-
-  init: Any
-  update: Any
-
-
 def dp_noise(*, l2_norm_clip: float, noise_multiplier: float, reduction: str = "mean",
-             batch_size: int | None = None, seed: int = 0) -> DPNoiseTransform:
+             batch_size: int | None = None, seed: int = 0) -> Transform:
   """Returns an optax-style transform that adds DP-SGD's noise to clipped gradients.
 
   Put it in `optax.chain(gl.dp_noise(...), optax.sgd(...))` and feed it the clipped
@@ -132,7 +126,7 @@ def dp_noise(*, l2_norm_clip: float, noise_multiplier: float, reduction: str = "
     seed: the seed of the first key.
 
   Returns:
-    A `DPNoiseTransform`: `init(params) -> DPNoiseState`, `update(updates, state,
+    A `gl.Transform`: `init(params) -> DPNoiseState`, `update(updates, state,
     params=None) -> (noisy updates, new state)`.
 
   Example:
@@ -156,7 +150,7 @@ def dp_noise(*, l2_norm_clip: float, noise_multiplier: float, reduction: str = "
     key, sub = jax.random.split(state.key)
     return _gaussian_noise(updates, sub, stddev), DPNoiseState(key)
 
-  return DPNoiseTransform(init, update)
+  return Transform(init, update)
 
 
 @functools.partial(

@@ -257,7 +257,7 @@ def test_every_instrument_matches_its_definition_in_a_jitted_loop(recorded, comp
         jax.value_and_grad(recorded, has_aux=True))(w)
     updates = -LR * grads
     readings, state = instruments.update(
-        state, records, loss=value, grads=grads, params=w, updates=updates, losses=losses,
+        records, state, loss=value, grads=grads, params=w, updates=updates, losses=losses,
         learning_rate=LR, hessian_loss=_plain)
     return readings, state, w + updates
 
@@ -302,7 +302,7 @@ def test_per_parameter_readings_are_keyed_like_the_parameters():
   moved = jax.tree.map(lambda p: p + 0.1, params)
   updates = jax.tree.map(lambda g: -0.1 * g, grads)
   readings, _ = jax.jit(lambda s, r, g, p, u: instruments.update(
-      s, r, loss=value, grads=g, params=p, updates=u,
+      r, s, loss=value, grads=g, params=p, updates=u,
       hessian_loss=lambda p: jnp.mean(jax.vmap(plain, in_axes=(None, 0, 0))(p, x, y))))(
           state, records, grads, moved, updates)
   per = readings["per_parameter"]
@@ -357,7 +357,7 @@ def test_exact_hessian_diagonal_and_tic_match_the_dense_hessian(layers):
   @jax.jit
   def step(state, p):
     (value, grads), records = gl.call_and_reap(jax.value_and_grad(marked))(p, x, y)
-    return instruments.update(state, records, loss=value, grads=grads, params=p,
+    return instruments.update(records, state, loss=value, grads=grads, params=p,
                               updates=jax.tree.map(jnp.zeros_like, grads), hessian_loss=loss)
 
   readings, _ = step(instruments.init(params), params)
@@ -460,7 +460,7 @@ def test_every_k_steps_reads_the_instruments_on_read_steps_only(request, schedul
     ((value, losses), grads), records = gl.call_and_reap(
         jax.value_and_grad(_marked, has_aux=True))(w)
     updates = -LR * grads
-    readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
+    readings, state = instruments.update(records, state, loss=value, grads=grads, params=w,
                                          updates=updates, losses=losses, phase=phase)
     return readings, state, w + updates
 
@@ -520,11 +520,14 @@ def test_presets_and_bad_arguments():
   # Every problem is named at once: hessian_loss, losses, the phase.
   with pytest.raises(ValueError, match=r"need hessian_loss.*alpha needs losses.*"
                      r"phase='sometimes'.*instruments.phase\(step\)"):
-    instruments.update(instruments.init(jnp.ones((1, 1))), records, **args,
+    instruments.update(records, instruments.init(jnp.ones((1, 1))), **args,
                        phase="sometimes")
+  # The order before gl.Transform, (state, records), says the new one.
+  with pytest.raises(TypeError, match=r"update takes \(inputs, state\) in optax's order"):
+    instruments.update(instruments.init(jnp.ones((1, 1))), records, **args)
   cabs = gl.training_instruments(("cabs",))
   with pytest.raises(ValueError, match="cabs needs learning_rate"):
-    cabs.update(cabs.init(jnp.ones((1, 1))), records, **args)
+    cabs.update(records, cabs.init(jnp.ones((1, 1))), **args)
   # A layer whose weight is not a leaf of params itself (computed from it): name it
   # in where; a transposed one cannot be placed.
   w = jnp.array([[1.0, 2.0]])
@@ -538,7 +541,7 @@ def test_presets_and_bad_arguments():
     ((value, losses), grads), records = gl.call_and_reap(
         jax.value_and_grad(transposed, has_aux=True))(w)
     instruments = gl.training_instruments(("alpha",), where=where)
-    return instruments.update(instruments.init(w), records, loss=value, grads=grads,
+    return instruments.update(records, instruments.init(w), loss=value, grads=grads,
                               params=w, updates=-grads, losses=losses)
 
   with pytest.raises(ValueError, match=r"records \['fc'\] have a weight .* Record the "
@@ -548,14 +551,14 @@ def test_presets_and_bad_arguments():
   ((value, losses), grads), records = gl.call_and_reap(
       jax.value_and_grad(transposed, has_aux=True))(w)
   with pytest.raises(ValueError, match=r"records \['fc'\] have a weight"):
-    eager.update(eager.init(w), records, loss=value, grads=grads, params=w, updates=-grads,
+    eager.update(records, eager.init(w), loss=value, grads=grads, params=w, updates=-grads,
                  losses=losses)
   assert jnp.isnan(step(w, where="fc.w")[0]["alpha"])  # Step 0: no alpha yet.
   _, records = gl.call_and_reap(jax.grad(lambda w: transposed(w)[0]))(w)
   placed = gl.training_instruments(("alpha",), where="fc.w")
   with pytest.raises(ValueError, match=r"'fc.w' is recorded with shape \(1, 2\) but its "
                      r"parameter has \(2, 1\)"):
-    placed.update(placed.init(w.T), records, loss=0.0, grads=w.T, params=w.T, updates=w.T,
+    placed.update(records, placed.init(w.T), loss=0.0, grads=w.T, params=w.T, updates=w.T,
                   losses=jnp.ones(2))
 
 
@@ -590,7 +593,7 @@ def test_report_draws_every_instrument_of_a_real_run(tmp_path):
     ((value, losses), grads), records = gl.call_and_reap(
         jax.value_and_grad(_marked, has_aux=True))(w)
     readings, state = instruments.update(
-        state, records, loss=value, grads=grads, params=w, updates=-LR * grads,
+        records, state, loss=value, grads=grads, params=w, updates=-LR * grads,
         losses=losses, learning_rate=LR, hessian_loss=_plain, phase=phase)
     return readings, state, w - LR * grads
 
@@ -643,7 +646,7 @@ def test_the_state_survives_a_step_that_donates_params_and_state():
   def step(w, state):
     ((value, losses), grads), records = gl.call_and_reap(
         jax.value_and_grad(marked, has_aux=True))(w)
-    readings, state = instruments.update(state, records, loss=value, grads=grads, params=w,
+    readings, state = instruments.update(records, state, loss=value, grads=grads, params=w,
                                          updates=-0.05 * grads, losses=losses)
     return w - 0.05 * grads, state, readings
 
