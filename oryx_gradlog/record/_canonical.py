@@ -194,23 +194,32 @@ def costs(kind: str, batch: int, positions: int, d_in: int, d_out: int,
 
 
 def cheaper(kind: str, batch: int, positions: int, d_in: int, d_out: int,
-            vocabulary: int = 0) -> str:
+            vocabulary: int = 0, weighted: bool = False) -> str:
   """The method `"auto"` chooses: materialised only where it takes fewer
-  multiply-adds *and* holds no more than the Gram form or the layer's activations."""
+  multiply-adds *and* holds no more than the Gram form or the layer's activations.
+
+  `weighted`: the caller also forms `sum_i c_i grad_i` (clipping). The Gram form
+  then pays a vjp of the layer (`B T d_in d_out`, an embedding's scatter `B T d`),
+  while materialised per-example gradients are summed (`B d_in d_out`, `B V d`).
+  """
   cost = costs(kind, batch, positions, d_in, d_out, vocabulary)
   activations = batch * positions * (d_out if kind == EMBED else d_in + d_out)
   (gram_macs, gram_floats), (mat_macs, mat_floats) = cost[GRAM], cost[MATERIALIZED]
+  if weighted:
+    gram_macs += batch * positions * (d_out if kind == EMBED else d_in * d_out)
+    mat_macs += batch * (vocabulary if kind == EMBED else d_in) * d_out
   if mat_macs < gram_macs and mat_floats <= max(gram_floats, activations):
     return MATERIALIZED
   return GRAM
 
 
-def choose_method(view: LayerView, method: str) -> str:
-  """Gram form or materialised per-example gradients, whichever costs less."""
+def choose_method(view: LayerView, method: str, weighted: bool = False) -> str:
+  """Gram form or materialised per-example gradients, whichever costs less
+  (`weighted`: see `cheaper`)."""
   if view.kind == LAYER_NORM:  # Its per-example gradient is one (d,) vector.
     return MATERIALIZED
   if method != "auto":
     return method
   b, t, d_out = view.g.shape[1:]
   d_in = 1 if view.kind == EMBED else view.x.shape[3]
-  return cheaper(view.kind, b, t, d_in, d_out, view.vocabulary)
+  return cheaper(view.kind, b, t, d_in, d_out, view.vocabulary, weighted)

@@ -85,13 +85,22 @@ class Selection:
         return use.spec.tree
     return None
 
-  def weighted(self, factors: jax.Array) -> dict[str, LayerParams]:
+  def weighted(self, factors: jax.Array,
+               formed: dict[str, LayerParams] | None = None) -> dict[str, LayerParams]:
     """Per key, `sum_i c_i grad_i` (of the recorded loss): each use's vjp at the
-    cotangent `c g`, summed over the uses of the key."""
-    totals: dict[str, LayerParams] = {}
+    cotangent `c g`, summed over the uses of the key; or, for a key in `formed` (its
+    per-example gradients `(B, ...)`, as `per_example` gives them), their sum
+    weighted by `c`."""
+    formed = formed or {}
+    totals: dict[str, LayerParams] = {
+        key: jax.tree.map(lambda g: jnp.tensordot(factors.astype(g.dtype), g, 1), grads)
+        for key, grads in formed.items()}
     for use in self.uses:
+      if all(key in formed for key in use.keys):
+        continue
       for key, grad in use.weighted_grads(factors).items():
-        totals[key] = totals[key] + grad if key in totals else grad
+        if key not in formed:
+          totals[key] = totals[key] + grad if key in totals else grad
     return {key: totals[key] for key in self.groups if key in totals}
 
   def per_example(self, key: str) -> LayerParams:

@@ -27,8 +27,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from per_example import (
-    assert_norms_close, assert_rel_err, check_found, clip, found, median_clip, norms_of,
-    path_name, per_example_grads)
+    assert_norms_close, assert_rel_err, check_clipped_grad, check_found, clip, found,
+    median_clip, norms_of, path_name, per_example_grads)
 
 import oryx_gradlog as gl
 
@@ -543,6 +543,25 @@ def test_auto_method_chooses_by_multiply_adds_and_memory():
   batch = (_ids(5, B, 10, vocabulary=50), _normal(4, B, 30, 3, scale=1.0))
   result = check_found(_batch_loss(per_example), params, *batch)
   assert result.norms.method == {"table": "gram", "narrow": "materialized", "wide": "gram"}
+
+
+def test_clipping_counts_the_reweighted_sum_and_reuses_formed_gradients():
+  """Clipping also forms `sum_i c_i grad_i`: a Gram layer pays a vjp for it, a
+  materialised one sums the per-example gradients it formed. At 4 positions through
+  an 8 x 8 layer both forms of the norms cost the same (the norms take the Gram
+  form), but with the reweighted sum materialising is cheaper: the clipped gradient,
+  now summed from the formed per-example gradients, still equals vmap(grad)'s."""
+  from oryx_gradlog.record import _canonical  # pylint: disable=g-import-not-at-top
+  assert _canonical.cheaper("dense", B, 4, 8, 8) == "gram"
+  assert _canonical.cheaper("dense", B, 4, 8, 8, weighted=True) == "materialized"
+  assert _canonical.cheaper("dense", B, 1, 8, 8, weighted=True) == "gram"
+  assert _canonical.cheaper("embed", B, 4, 1, 8, vocabulary=50, weighted=True) == "gram"
+  per_example = lambda p, x: _sq(jnp.tanh(x @ p["w"] + p["b"]) @ p["v"])
+  params = {"w": _normal(1, 8, 8), "b": _normal(2, 8), "v": _normal(3, 8, 8)}
+  x = _normal(4, B, 4, 8, scale=1.0)
+  result = check_found(_batch_loss(per_example), params, x)
+  assert result.norms.method == {"w": "gram", "b": "materialized", "v": "gram"}
+  check_clipped_grad(_batch_loss(per_example), params, x)
 
 
 def test_parameter_cast_from_bfloat16():

@@ -152,7 +152,7 @@ def per_example_moments(
       products = products + jnp.mean(pairs, axis=1)
       gram_keys.add(key)
     else:
-      square, _ = _ghost.group_squared_norms(selection, key, method, reduction)
+      square, _, _ = _ghost.group_squared_norms(selection, key, method, reduction)
       squared = squared + jnp.sum(square.reshape(-1, batch_size), axis=0)
   others = [u for u in selection.uses if not set(u.keys) <= gram_keys]
   if others:  # <grad_i, gbar> = sum over uses of <g_i, J_i gbar>, by jvps.

@@ -135,7 +135,7 @@ def gradient_noise_scale(
     (Array(3., dtype=float32), Array(2., dtype=float32))
   """
   api = "gradient_noise_scale"
-  squares, _, selection, sizes = _ghost.squared_norms(
+  squares, _, selection, sizes, _ = _ghost.squared_norms(
       api, records, reduction=reduction, names=names, tied=tied, method=method,
       kinds=_KINDS)
   batch_size = _common.one_batch_size(api, sizes)

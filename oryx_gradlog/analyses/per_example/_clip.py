@@ -12,7 +12,13 @@ which `per_example_clip` computes with `jax.vjp` of the very function the layer 
 applies (so strides, padding, dilation, groups, layouts and repeated ids are handled
 as the layer handles them). The norms `|grad_i|` come from `per_example_norms` of
 the same records (the "book-keeping" idea of Bu et al. 2023): one forward and one
-backward pass, no second, reweighted backward pass and no per-example gradients.
+backward pass, no second, reweighted backward pass. Per layer, as fastDP (Bu et al.)
+does, the cost model picks the cheaper of two forms, counting the reweighted sum:
+the Gram norms and the vjp above (`B T^2 (d_in + d_out) + B T d_in d_out`
+multiply-adds), or each example's gradient formed once, squared for its norm and
+summed with the weights `c_i` (`B T d_in d_out + B d_in d_out`), where those
+gradients take no more memory than the layer's activations. Short sequences take the
+Gram form; long ones through narrow layers form the gradients, as `vmap(grad)` does.
 
 Under `jit`, reap with `gl.reap` (not `call_and_reap`) and leave the reaped weight
 cotangents unused: XLA then drops the backward pass's own weight gradients, and the
@@ -173,13 +179,14 @@ def check_clip(api: str, l2_norm_clip: Any) -> None:
 
 def _clipped(api, records, *, l2_norm_clip, reduction, names, tied, method):
   check_clip(api, l2_norm_clip)
-  squares, _, selection, sizes = _ghost.squared_norms(
-      api, records, reduction=reduction, names=names, tied=tied, method=method)
+  squares, _, selection, sizes, formed = _ghost.squared_norms(
+      api, records, reduction=reduction, names=names, tied=tied, method=method,
+      weighted=True)
   batch_size = _common.one_batch_size(api, sizes)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
   norms = jnp.sqrt(total)
   factors = clip_factors(norms, l2_norm_clip)
-  return ClippedGrads(selection.weighted(factors), norms, float(l2_norm_clip), reduction,
+  return ClippedGrads(selection.weighted(factors, formed), norms, float(l2_norm_clip), reduction,
                       batch_size, selection.tree)
 
 

@@ -33,7 +33,7 @@ default); a per-example gradient is always the gradient of `l_i` itself, so for 
 mean the recorded cotangents are multiplied by the batch size.
 
 Sharp edges:
-  * Only recorded layers count: `total` is the norm over the parameters of the layer
+  * Only recorded layers count: `norms` is the norm over the parameters of the layer
     records analysed. `gl.record_layers` records every use of every parameter; with
     hand-marked layers, a parameter used elsewhere (a layer norm applied without
     `gl.layer_norm`) is not in the total.
@@ -134,44 +134,60 @@ def weight_squared_norms(view: LayerView, method: str) -> jax.Array:
 def squared_norms(
     api: str, records: dict[str, Any], *, reduction: str, names: Sequence[str] | None,
     tied: Collection[str], method: str, kinds: Sequence[str] = NORM_KINDS,
-) -> tuple[dict[str, jax.Array], dict[str, str], Selection, dict[str, int]]:
+    weighted: bool = False,
+) -> tuple[dict[str, jax.Array], dict[str, str], Selection, dict[str, int],
+           dict[str, Any]]:
   """Per-example squared norms (of `l_i`'s gradient) of the selected layers.
 
-  Returns `(squares, methods, selection, batch_sizes)`: per key `(*calls, B)` squares
-  (a hand-marked record keeps its call axes; a parameter path has none); the method
-  of each; the records read; and the batch size of each.
+  `weighted`: the caller forms `sum_i c_i grad_i` next (clipping); the cost model
+  counts that work, and keys whose per-example gradients get formed keep them.
+
+  Returns `(squares, methods, selection, batch_sizes, formed)`: per key `(*calls, B)`
+  squares (a hand-marked record keeps its call axes; a parameter path has none); the
+  method of each; the records read; the batch size of each; and, with `weighted`,
+  the per-example gradients formed (of the recorded loss), by key.
   """
   selection = select(api, records, reduction=reduction, names=names, tied=tied,
                      method=method, kinds=kinds)
-  squares, methods = {}, {}
+  squares, methods, formed = {}, {}, {}
   for key in selection.groups:
-    squares[key], methods[key] = group_squared_norms(selection, key, method, reduction)
-  return squares, methods, selection, selection.batch_sizes
+    squares[key], methods[key], grads = group_squared_norms(
+        selection, key, method, reduction, weighted)
+    if weighted and grads is not None:
+      formed[key] = grads
+  return squares, methods, selection, selection.batch_sizes, formed
 
 
-def group_squared_norms(selection: Selection, key: str, method: str,
-                        reduction: str) -> tuple[jax.Array, str]:
-  """Per-example squared norms of key `key`'s gradient, and the method.
+def group_squared_norms(selection: Selection, key: str, method: str, reduction: str,
+                        weighted: bool = False) -> tuple[jax.Array, str, Any]:
+  """Per-example squared norms of key `key`'s gradient, the method, and the
+  per-example gradients where they were formed (else `None`).
 
   One use with a view (a hand-marked layer; a found dense, convolution or embedding
   use of a view of its parameter) takes the Gram form or materialises, as the cost
   model says: `(*calls, B)` where the use keeps its calls, else `(B,)`. Any other
   use, and a parameter with several uses (tied weights: cross terms), materialises
-  the uses' per-example gradients, maps them to the parameter and sums them.
+  the uses' per-example gradients, maps them to the parameter and sums them; so
+  does a found use that materialises for a `weighted` caller, which sums the formed
+  gradients instead of taking a second vjp.
   """
   uses = selection.groups[key]
   batch = uses[0].batch_size
   view = uses[0].view() if len(uses) == 1 else None
   if view is not None:
-    chosen = choose_method(view, method)
-    square = view_squared_norms(view, chosen, reduction)
-    if not uses[0].keeps_calls:
-      square = jnp.sum(square.reshape(-1, batch), axis=0)
-    return square, chosen
+    chosen = choose_method(view, method, weighted)
+    reusable = (weighted and chosen == MATERIALIZED and view.kind != LAYER_NORM
+                and not uses[0].keeps_calls and uses[0].keys == (key,))
+    if not reusable:
+      square = view_squared_norms(view, chosen, reduction)
+      if not uses[0].keeps_calls:
+        square = jnp.sum(square.reshape(-1, batch), axis=0)
+      return square, chosen, None
   scale = loss_scale(reduction, batch)
-  total = jax.tree.leaves(selection.per_example(key))
-  square = sum(jnp.sum(as_float(v).reshape(batch, -1) ** 2, axis=1) for v in total)
-  return (scale * scale) * square, MATERIALIZED
+  grads = selection.per_example(key)
+  square = sum(jnp.sum(as_float(v).reshape(batch, -1) ** 2, axis=1)
+               for v in jax.tree.leaves(grads))
+  return (scale * scale) * square, MATERIALIZED, grads
 
 
 def view_squared_norms(view: LayerView, method: str, reduction: str) -> jax.Array:
@@ -209,8 +225,10 @@ def per_example_norms(
       every layer record; other records, e.g. taps, are left out). A named record
       that is not a layer is an error.
     tied: hand-marked names whose calls share one weight (see "Sharp edges").
-    method: `"auto"` (per layer, the Gram form when `T (d_in + d_out) <= d_in
-      d_out`, else materialised), `"gram"` or `"materialized"`.
+    method: `"auto"` (per layer, materialised where that takes fewer
+      multiply-adds, `T d_in d_out < T^2 (d_in + d_out)`, and no more memory than
+      the Gram form or the layer's activations; else the Gram form), `"gram"` or
+      `"materialized"`.
 
   Returns:
     A `PerExampleNorms` with per-layer norms, the total, and the method per layer.
@@ -228,7 +246,7 @@ def per_example_norms(
     >>> bool(jnp.allclose(result.norms, jnp.linalg.norm(flat(per_example), axis=1)))
     True
   """
-  squares, methods, _, _ = squared_norms(
+  squares, methods, _, _, _ = squared_norms(
       "per_example_norms", records, reduction=reduction, names=names, tied=tied,
       method=method, kinds=NORM_KINDS)
   total = sum(jnp.sum(s.reshape(-1, s.shape[-1]), axis=0) for s in squares.values())
