@@ -52,12 +52,11 @@ class Transform(NamedTuple):
   phase: Callable[[int], str] | None = None
 
 
-def order_error(api: str, state_type: type, first: Any) -> TypeError | None:
-  """The error for `update(state, inputs)`, the order before `Transform`, or None."""
+def check_order(api: str, state_type: type, first: Any) -> None:
+  """Raises for `update(state, inputs)`, the order before `Transform`."""
   if any(isinstance(leaf, state_type) for leaf in jax.tree.leaves(
       first, is_leaf=lambda node: isinstance(node, state_type))):
-    return TypeError(
+    raise TypeError(
         f"{api}: the first argument is the state; update takes (inputs, state) in optax's "
         f"order and returns (outputs, state). Write `outputs, state = t.update(inputs, "
         f"state, ...)`.")
-  return None

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog.record._canonical import LayerParams
+from oryx_gradlog.record._canonical import LayerParams, as_float
 from oryx_gradlog.record._found import FoundUse
 from oryx_gradlog.record._kinds import LOSS_MIXES_EXAMPLES, NORM_KINDS, UNSUPPORTED
 from oryx_gradlog.record._layers import LayerInputs, WEIGHT_RANK
@@ -92,9 +92,9 @@ class Selection:
     per-example gradients `(B, ...)`, as `per_example` gives them), their sum
     weighted by `c`."""
     formed = formed or {}
+    weigh = lambda g: jnp.tensordot(factors, as_float(g), 1).astype(g.dtype)
     totals: dict[str, LayerParams] = {
-        key: jax.tree.map(lambda g: jnp.tensordot(factors.astype(g.dtype), g, 1), grads)
-        for key, grads in formed.items()}
+        key: jax.tree.map(weigh, grads) for key, grads in formed.items()}
     for use in self.uses:
       if all(key in formed for key in use.keys):
         continue

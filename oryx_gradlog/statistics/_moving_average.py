@@ -3,9 +3,9 @@
 The analyses give one step's estimate (K-FAC factors, gradient noise); curvature
 and noise estimates are noisy, so optimizers and monitors keep exponential moving
 averages across steps. `moving_average(decay)` is an optax-style `init`/`update`
-pair (a `gl.Transform`) over a whole pytree, with Adam's bias correction as a property. Unlike
-`running_statistics`, which keeps nine statistics per leaf for monitoring, this
-keeps one array per leaf: the size of what it averages.
+pair (a `gl.Transform`) over a whole pytree, with Adam's bias correction as a
+property. Unlike `running_statistics`, which keeps nine statistics per leaf for
+monitoring, this keeps one array per leaf: the size of what it averages.
 
 Sharp edges:
   * The EMA starts at zero; read `debiased` (divided by `1 - decay ** steps`) unless
@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oryx_gradlog._base import Transform, order_error
+from oryx_gradlog._base import Transform, check_order
 from oryx_gradlog.statistics._running import debias
 
 
@@ -85,8 +85,7 @@ def moving_average(decay: float = 0.99) -> Transform:
 
   def update(tree, state, params=None):
     del params  # For optax.chain.
-    if (error := order_error("moving_average.update", MovingAverage, tree)):
-      raise error
+    check_order("moving_average.update", MovingAverage, tree)
     expected, got = jax.tree.structure(state.value), jax.tree.structure(tree)
     if expected != got or any(
         jnp.shape(a) != jnp.shape(b)

@@ -3,8 +3,8 @@
 In the optax style: `running_statistics(...)` returns a `gl.Transform` whose
 `init(records)` builds a state pytree and `update(records, state)` folds in one
 step's records and returns `(records, state)`, the records unchanged (so it also
-sits in an `optax.chain`, keeping statistics of the gradients). Both are pure, so they run inside a jitted step or a `lax.scan` over
-steps, and the state's size does not grow with the number of steps: per record leaf
+sits in an `optax.chain`, keeping statistics of the gradients). Both are pure, so
+they run inside a jitted step or a `lax.scan` over steps, and the state's size does not grow with the number of steps: per record leaf
 it holds a Welford mean and sum of squared deviations (stable for long runs), an
 exponential moving average, element-wise min, max and non-finite counts, and the
 magnitude histogram of every entry seen.
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog._base import Transform, order_error
+from oryx_gradlog._base import Transform, check_order
 from oryx_gradlog.statistics._summaries import DEFAULT_BINS, float_dtype, magnitude_histogram
 
 
@@ -160,8 +160,7 @@ def running_statistics(*, decay: float = 0.99, bins=DEFAULT_BINS) -> Transform:
 
   def update(records, state, params=None):
     del params  # For optax.chain.
-    if (error := order_error("running_statistics.update", RunningStats, records)):
-      raise error
+    check_order("running_statistics.update", RunningStats, records)
     is_stats = lambda node: isinstance(node, RunningStats)
 
     def mismatch(old, new) -> bool:

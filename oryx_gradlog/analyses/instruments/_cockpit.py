@@ -113,7 +113,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog._base import Transform, order_error
+from oryx_gradlog._base import Transform, check_order
 from oryx_gradlog.analyses.instruments import _families, _step_quality
 from oryx_gradlog.analyses.instruments._families import CURVATURE, PER_PARAMETER, Step
 from oryx_gradlog.analyses.instruments._schedule import as_schedule
@@ -314,8 +314,7 @@ def training_instruments(
              losses=None, learning_rate=None,
              hessian_loss: Callable[[Any], jax.Array] | None = None,
              phase: str | None = None):
-    if (error := order_error(f"{api}.update", InstrumentsState, records)):
-      raise error
+    check_order(f"{api}.update", InstrumentsState, records)
     problems = []
     if curvature and hessian_loss is None:
       problems.append(f"the instruments {curvature} need hessian_loss, the batch loss as "

@@ -176,8 +176,8 @@ def group_squared_norms(selection: Selection, key: str, method: str, reduction: 
   view = uses[0].view() if len(uses) == 1 else None
   if view is not None:
     chosen = choose_method(view, method, weighted)
-    reusable = (weighted and chosen == MATERIALIZED and view.kind != LAYER_NORM
-                and not uses[0].keeps_calls and uses[0].keys == (key,))
+    reusable = (weighted and chosen == MATERIALIZED and not uses[0].keeps_calls
+                and uses[0].keys == (key,))
     if not reusable:
       square = view_squared_norms(view, chosen, reduction)
       if not uses[0].keeps_calls:
