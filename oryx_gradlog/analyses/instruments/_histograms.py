@@ -12,17 +12,25 @@ them over the layers; the parameter values are the weights the records hold (or
 The 1-D counts of a dense or convolution layer (its parameter's only use) are made
 from its canonical view `(x, g)`, a chunk of examples at a time inside a `lax.scan`:
 each chunk's gradients `x_i^T g_i` (about `CHUNK_ELEMENTS` numbers) are formed and
-binned while they are in cache, never the whole batch's. Other layers (embeddings,
-layer norms, parameters with several uses) and the 2-D histogram, which pairs each
-element with its parameter, form the layer's per-example gradients whole
-(`Selection.per_example`).
+binned while they are in cache, never the whole batch's. At one position (`T = 1`,
+an MLP's layers) a gradient is the outer product `x_i g_i^T`, and an element
+`x_j g_k` with `|x_j| max|g|` or `|g_k| max|x|` under a bin width is in one of the
+two bins that meet at zero, by its sign: those are counted from the signs of `x_i`
+and `g_i` alone, and the rest binned, the largest rows or columns of each example
+(a 1/16, 1/4 or 1/2 cut, whichever covers the chunk) or, where none does, every
+element. Other layers (embeddings, layer norms, parameters with several uses) and
+the 2-D histogram, which pairs each element with its parameter, form the layer's
+per-example gradients whole (`Selection.per_example`).
 
 Sharp edges:
   * Only the marked layers count (Cockpit counts every parameter of the model).
-  * Every element is binned by one scatter-add, B times the parameters per reading:
-    the costliest of the per-step instruments (see `benchmarks/RESULTS.md`). Read
-    it every k steps. On JAX 0.5.0 XLA's CPU scatter-add is about 15 times slower
-    than on 0.10.2, and so are the histograms.
+  * Elements not counted by their signs are binned by one scatter-add, up to B
+    times the parameters per reading: then the costliest of the per-step
+    instruments (see `benchmarks/RESULTS.md`). Read it every k steps. On JAX 0.5.0
+    XLA's CPU scatter-add is about 15 times slower than on 0.10.2, and so are such
+    histograms. Sequences and convolutions (`T > 1`) bin every element.
+  * Where zero is a bin edge (Cockpit's ranges), a value below zero is counted left
+    of it, as `np.histogram` does, though float32 rounds `-1e-9 - low` to `-low`.
   * Counts are int32: at most 2**31 - 1 elements (examples times parameters).
   * The 2-D histogram forms each layer's per-example gradients whole (B times its
     parameters in memory), and leaves out `gl.dense_dot_general`'s bias, whose
@@ -50,6 +58,11 @@ BINS_2D, RANGE_2D = (40, 50), ((-1.0, 1.0), (-2.0, 2.0))
 # 2M float32, 8 MiB, binned while in cache (a 512 x 512 layer at batch 128, JAX
 # 0.10.2, CPU: 41 ms in chunks of 8 examples, 114 ms at once).
 CHUNK_ELEMENTS = 1 << 21
+# A rank-one gradient's element `scale x_j g_k` is counted by its sign where
+# `scale |x_j| max|g|` or `scale |g_k| max|x|` is below NEAR bin widths (then it is
+# in one of the two bins at zero); CUTS: the parts (1/16, 1/4, 1/2) of the largest rows
+# or columns that the other branches bin one by one.
+NEAR, CUTS = 1 - 2.0 ** -10, (16, 4, 2)
 
 
 @functools.partial(
@@ -75,10 +88,24 @@ class GradientHistograms:
   edges_2d: tuple[jax.Array, jax.Array] | None
 
 
+def _zero_edge(bins: int, value_range) -> int | None:
+  """The index of the edge at zero (bins `k - 1` and `k` meet there), or `None`."""
+  low, high = value_range
+  k = round(-low * bins / (high - low))
+  if not 0 < k < bins or abs(low + k * (high - low) / bins) > 1e-9 * (high - low):
+    return None
+  return k
+
+
 def _bin(values, bins: int, low: float, high: float) -> jax.Array:
-  """The bin index of each value on `bins` equal bins of `[low, high]` (clamped)."""
+  """The bin index of each value on `bins` equal bins of `[low, high]` (clamped);
+  where zero is an edge, negative values fall left of it and the rest right, as
+  in exact arithmetic (float32 puts values just below zero right of it)."""
   width = (high - low) / bins
   index = jnp.floor((values - low) / width).astype(jnp.int32)
+  zero = _zero_edge(bins, (low, high))
+  if zero is not None:
+    index = jnp.where(values < 0, jnp.minimum(index, zero - 1), jnp.maximum(index, zero))
   return jnp.clip(index, 0, bins - 1)
 
 
@@ -108,15 +135,90 @@ def _edges(bins, value_range):
   return jnp.linspace(value_range[0], value_range[1], bins + 1, dtype=jnp.float32)
 
 
+def _signs(a) -> tuple[jax.Array, jax.Array]:
+  """The numbers of positive and of negative elements along the last axis."""
+  return jnp.sum(a > 0, -1, dtype=jnp.int32), jnp.sum(a < 0, -1, dtype=jnp.int32)
+
+
+def _rank_one_plan(x, g, scale: float, bins: int, value_range) -> jax.Array:
+  """Which of `_rank_one_counts`'s branches counts the examples `scale x_i g_i^T`
+  (`x`: `(n, I)`, `g`: `(n, O)`): the cheapest that is exact for all of them."""
+  d_in, d_out = x.shape[-1], g.shape[-1]
+  near = NEAR * (value_range[1] - value_range[0]) / bins
+  ax, ag = jnp.max(jnp.abs(x), -1), jnp.max(jnp.abs(g), -1)
+  tiny = lambda a: jnp.min(jnp.where(a == 0, jnp.inf, jnp.abs(a)), -1)
+  # Signs are exact where no nonzero product can underflow to a zero.
+  exact_signs = jnp.all((tiny(x) >= 2.0 ** -60) & (tiny(g) >= 2.0 ** -60)
+                        & jnp.isfinite(ax) & jnp.isfinite(ag))
+  rows = jnp.max(jnp.sum(scale * jnp.abs(x) * ag[:, None] >= near, -1))
+  cols = jnp.max(jnp.sum(scale * jnp.abs(g) * ax[:, None] >= near, -1))
+  cuts = _cuts(d_in, d_out)
+  fits = jnp.stack([(rows if axis == 0 else cols) <= k for axis, k in cuts])
+  cost = jnp.array([k * (d_out if axis == 0 else d_in) for axis, k in cuts])
+  best = jnp.argmin(jnp.where(fits, cost, d_in * d_out))
+  return jnp.where(exact_signs & fits[best], best, len(cuts))
+
+
+def _cuts(d_in: int, d_out: int) -> tuple[tuple[int, int], ...]:
+  """`(axis, k)`: the rank-one branches, exact where every element outside the `k`
+  largest rows (axis 0) or columns (axis 1) is within a bin of zero."""
+  return ((0, 0),) + tuple((axis, -(-d // part)) for part in CUTS
+                           for axis, d in ((0, d_in), (1, d_out)))
+
+
+def _rank_one_counts(x, g, scale: float, bins: int, value_range) -> jax.Array:
+  """1-D counts of the examples' gradients `scale x_i g_i^T` (`x`: `(n, I)`, `g`:
+  `(n, O)`): the elements within a bin of zero are counted by their signs, the
+  others binned, a cut of the largest rows or columns at a time (`_cuts`)."""
+  zero = _zero_edge(bins, value_range)
+  n, d_in = x.shape
+  d_out = g.shape[-1]
+  px, nx = _signs(x)
+  pg, ng = _signs(g)
+  negative = jnp.sum(px * ng + nx * pg)  # The elements below zero.
+
+  def by_signs(part_negative, part_size):
+    rest = n * d_in * d_out - part_size
+    return (jnp.zeros((bins,), jnp.int32).at[zero - 1].add(negative - part_negative)
+            .at[zero].add(rest - negative + part_negative))
+
+  def cut(axis, k):
+    def branch(x, g):
+      if k == 0:
+        return by_signs(0, 0)
+      a, b = (x, g) if axis == 0 else (g, x)
+      top = jnp.take_along_axis(a, lax.top_k(jnp.abs(a), k)[1], -1)
+      pa, na = _signs(top)
+      pb, nb = _signs(b)
+      values = scale * (top[:, :, None] * b[:, None, :])
+      return (histogram_1d([values], bins, value_range)
+              + by_signs(jnp.sum(pa * nb + na * pb), n * k * b.shape[-1]))
+    return branch
+
+  def whole(x, g):
+    return histogram_1d([scale * (x[:, :, None] * g[:, None, :])], bins, value_range)
+
+  branches = [cut(axis, k) for axis, k in _cuts(d_in, d_out)] + [whole]
+  return lax.switch(_rank_one_plan(x, g, scale, bins, value_range), branches, x, g)
+
+
 def _view_counts(view, scale, bins: int, value_range) -> jax.Array:
   """1-D counts of a dense or convolution view's per-example gradients
-  `scale x_i^T g_i` (and bias `scale sum_t g_i`), a chunk of examples at a time."""
+  `scale x_i^T g_i` (and bias `scale sum_t g_i`), a chunk of examples at a time;
+  at one position (`T = 1`) by `_rank_one_counts`."""
   x, g = view.x, view.g
-  s, batch, _, d_in = x.shape
+  s, batch, positions, d_in = x.shape
   size = max(1, min(batch, CHUNK_ELEMENTS // max(1, s * d_in * g.shape[-1])))
   whole = batch - batch % size
+  # Bins of one float32 ulp or less, or a scale that can underflow a product,
+  # would break the sign count's margin.
+  rank_one = (positions == 1 and _zero_edge(bins, value_range) is not None
+              and bins <= 2048 and 1 <= scale <= 2.0 ** 20)
 
   def counts(x, g):
+    if rank_one:
+      return _rank_one_counts(x[:, :, 0].reshape(-1, d_in),
+                              g[:, :, 0].reshape(-1, g.shape[-1]), scale, bins, value_range)
     return histogram_1d([scale * _common.dot("sbti,sbto->sbio", x, g)], bins, value_range)
 
   total = histogram_1d([] if view.bias_g is None else [scale * view.bias_g], bins,

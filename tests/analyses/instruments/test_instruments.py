@@ -401,6 +401,49 @@ def test_gradient_histogram_of_found_layers_matches_vmap_grad(monkeypatch, chunk
   assert int(hist.counts_2d.sum()) == B * sum(v.size for v in jax.tree.leaves(params))
 
 
+def _rank_one_examples():
+  """Examples of a 64 -> 48 dense layer, x_i and output cotangents g_i, whose
+  gradients x_i g_i^T take each of the rank-one histogram's branches."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(7, 64)).astype(np.float32)
+  g = 1e-3 * rng.normal(size=(7, 48)).astype(np.float32)  # Example 0: near zero.
+  x[1, :3] *= 300  # Three large rows.
+  g[2, :2] *= 300  # Two large columns.
+  g[3, :20] *= 300  # Twenty.
+  g[4] *= 1000  # Large everywhere.
+  g[5, 0] = 1e-30  # A product that could underflow to zero.
+  x[6, 7], g[6, 5] = -0.0, 0.0  # Zeros, and products near -1e-9, just below zero.
+  x[6, 8] = 1e-6
+  return x, g
+
+
+@pytest.mark.parametrize("chunk", [64 * 48, None], ids=["one_example", "default"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_histogram_of_rank_one_layers_matches_vmap_grad(monkeypatch, chunk,
+                                                                 reduction):
+  histograms = gl.analyses.instruments._histograms  # pylint: disable=protected-access
+  x, g = _rank_one_examples()
+  plans = [int(histograms._rank_one_plan(x[i:i + 1], g[i:i + 1], 1.0, 100, (-2.0, 2.0)))  # pylint: disable=protected-access
+           for i in range(len(x))]
+  cuts = histograms._cuts(64, 48)  # pylint: disable=protected-access
+  # Signs alone, the 4 largest rows, the 3 largest columns, 24 of them, every element.
+  assert [cuts[p] if p < len(cuts) else "whole" for p in plans] == [
+      (0, 0), (0, 4), (1, 3), (1, 24), "whole", "whole", (0, 0)]
+  if chunk is not None:
+    monkeypatch.setattr(histograms, "CHUNK_ELEMENTS", chunk)
+  reduce = jnp.mean if reduction == "mean" else jnp.sum
+  # Output cotangent g_i: the loss is linear in the layer's output.
+  loss = lambda w, x, g: reduce(jnp.sum(g * gl.dense(x, w, name="fc"), -1))
+  w = jnp.zeros((64, 48))
+  records = gl.reap(jax.grad(loss))(w, x, g)
+  hist = jax.jit(lambda r: gl.gradient_histograms(r, reduction=reduction, two_d=False))(
+      records)
+  grads = jax.vmap(jax.grad(lambda w, x, g: jnp.sum(g * (x @ w))), (None, 0, 0))(w, x, g)
+  # Example 6's products near -1e-9 are in bin 49, as np.histogram puts them (float32
+  # rounds -1e-9 + 2 to 2).
+  np.testing.assert_array_equal(hist.counts_1d, _one_1d_histogram(grads, len(x)))
+
+
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 80, None],
                          ids=CHUNKS.keys())
 def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, chunk):
