@@ -210,8 +210,8 @@ def _view_counts(view, scale, bins: int, value_range) -> jax.Array:
   s, batch, positions, d_in = x.shape
   size = max(1, min(batch, CHUNK_ELEMENTS // max(1, s * d_in * g.shape[-1])))
   whole = batch - batch % size
-  # Bins of one float32 ulp or less, or a scale that can underflow a product,
-  # would break the sign count's margin.
+  # Past 2048 bins, float32's rounding of `(v - low) / width` nears the margin that
+  # NEAR leaves; a scale below 1 could underflow a product.
   rank_one = (positions == 1 and _zero_edge(bins, value_range) is not None
               and bins <= 2048 and 1 <= scale <= 2.0 ** 20)
 
