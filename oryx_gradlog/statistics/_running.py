@@ -4,10 +4,11 @@ In the optax style: `running_statistics(...)` returns a `gl.Transform` whose
 `init(records)` builds a state pytree and `update(records, state)` folds in one
 step's records and returns `(records, state)`, the records unchanged (so it also
 sits in an `optax.chain`, keeping statistics of the gradients). Both are pure, so
-they run inside a jitted step or a `lax.scan` over steps, and the state's size does not grow with the number of steps: per record leaf
-it holds a Welford mean and sum of squared deviations (stable for long runs), an
-exponential moving average, element-wise min, max and non-finite counts, and the
-magnitude histogram of every entry seen.
+they run inside a jitted step or a `lax.scan` over steps, and the state's size does
+not grow with the number of steps: per record leaf it holds a Welford mean and sum
+of squared deviations (stable for long runs), an exponential moving average,
+element-wise min, max and non-finite counts, and the magnitude histogram of every
+entry seen.
 
 Cost: XLA on CPU writes each state array in its own pass, so `update` keeps the
 state small (the finite count is `steps - nonfinite`, not stored) and, when every

@@ -186,10 +186,10 @@ def _rank_one_counts(x, g, scale: float, bins: int, value_range) -> jax.Array:
     def branch(x, g):
       if k == 0:
         return by_signs(0, 0)
-      a, b = (x, g) if axis == 0 else (g, x)
+      # The other factor's signs are those counted above.
+      (a, b), (pb, nb) = ((x, g), (pg, ng)) if axis == 0 else ((g, x), (px, nx))
       top = jnp.take_along_axis(a, lax.top_k(jnp.abs(a), k)[1], -1)
       pa, na = _signs(top)
-      pb, nb = _signs(b)
       values = scale * (top[:, :, None] * b[:, None, :])
       return (histogram_1d([values], bins, value_range)
               + by_signs(jnp.sum(pa * nb + na * pb), n * k * b.shape[-1]))
