@@ -26,6 +26,8 @@ EXTRAS = test,store,report,demo
 SETS = jax-0.5.0 jax-0.8.2 jax-0.10.2
 SET ?= jax-0.5.0
 SHARED_ORYX ?= ../shared/oryx
+# pytest-xdist workers: one per core, at most 4 (PYTEST_WORKERS= runs in one process).
+PYTEST_WORKERS ?= -n auto --maxprocesses 4
 # The Oryx main commit of each set that needs one.
 ORYX_COMMIT_jax-0.8.2 = aa33090
 ORYX_COMMIT_jax-0.10.2 = 9b9ef13
@@ -42,8 +44,8 @@ demo: $(VENV)/.installed
 	$(BIN)/python examples/08_digits_training.py --run-dir runs/digits
 
 test: $(VENV)/.installed
-	@echo "==> running the tests (about 7 minutes on 2 cores; a dot is a test passed; GRADLOG_SLOW_TESTS=1 adds the long checks)"
-	$(BIN)/python -m pytest oryx_gradlog tests -q
+	@echo "==> running the tests (about 5 minutes on 2 cores, pytest-xdist; a dot is a test passed; GRADLOG_SLOW_TESTS=1 adds the long checks)"
+	$(BIN)/python -m pytest $(PYTEST_WORKERS) oryx_gradlog tests -q
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
@@ -55,7 +57,7 @@ test-all:
 	set -e; for set in $(SETS); do $(MAKE) --no-print-directory test-set SET=$$set; done
 
 test-set: .venv-$(SET)/.installed
-	.venv-$(SET)/bin/python -m pytest oryx_gradlog tests -q
+	.venv-$(SET)/bin/python -m pytest $(PYTEST_WORKERS) oryx_gradlog tests -q
 
 # Benchmark-only extras per set: the bench-peers extra (jax-privacy 2.0) installs only
 # where JAX >= 0.7.1; elsewhere workload 12 skips it and says so.

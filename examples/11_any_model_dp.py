@@ -268,9 +268,11 @@ def main(argv=None):
   # Influence: identity scores of the last parameters are vmap(grad) inner products.
   plain = gl.fit_influence(loss, params, pool[:1], strategy="identity")
   flat = lambda g: jnp.concatenate([v.reshape(v.shape[0], -1) for v in jax.tree.leaves(g)], 1)
-  grads = lambda b: flat(jax.vmap(jax.grad(lambda p, *ex: loss(p, *(v[None] for v in ex))),
-                                  in_axes=(None, 0, 0, 0))(params, *b))
-  expected = np.asarray(grads(queries[0]) @ grads(pool[0]).T)
+  one = jax.grad(lambda p, *example: loss(p, *(v[None] for v in example)))
+  grads = jax.jit(lambda p, *b: flat(jax.vmap(one, in_axes=(None, 0, 0, 0))(p, *b)))
+  num_queries = len(queries[0][0])
+  both = grads(params, *(jnp.concatenate(pair) for pair in zip(queries[0], pool[0])))
+  expected = np.asarray(both[:num_queries] @ both[num_queries:].T)
   np.testing.assert_allclose(plain.scores(queries, pool[:1]), expected, rtol=1e-3,
                              atol=1e-4 * np.abs(expected).max())
   assert np.all(np.isfinite(scores))

@@ -27,6 +27,7 @@ pytest.importorskip("zarr")
 pytest.importorskip("xarray")
 
 import multihost_worker as worker
+from conftest import XLA_TEST_FLAGS
 
 import oryx_gradlog as gl
 
@@ -48,7 +49,8 @@ def _launch(processes, run_dir, *, timeout=150, extra=(), per_process=None, kill
   (they would wait on a collective with the dead one). Every process still running
   at the deadline, or when this raises, is killed.
   """
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+  flags = {**XLA_TEST_FLAGS, "xla_force_host_platform_device_count": "2"}
+  env = {**os.environ, "XLA_FLAGS": " ".join(f"--{k}={v}" for k, v in flags.items()),
          "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
   port, logs, procs = _free_port(), [], []
   try:
