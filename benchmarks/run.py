@@ -41,6 +41,7 @@ import jax
 
 import _harness as h
 import bench_any_model
+import bench_architectures
 import bench_attribution
 import bench_compile_time
 import bench_disk_stream
@@ -69,6 +70,7 @@ WORKLOADS = {
     11: bench_multihost,
     12: bench_any_model,
     13: bench_attribution,
+    14: bench_architectures,
 }
 TARGETS = {
     1: "full records <= 1.10 x plain grad",

@@ -66,7 +66,9 @@ def test_quick_workload_returns_positive_timings(benchmarks):
 @pytest.mark.parametrize("module", ["bench_summaries", "bench_running_stats",
                                     "bench_disk_stream", "bench_dp",
                                     pytest.param("bench_instruments", marks=pytest.mark.slow),
-                                    pytest.param("bench_any_model", marks=pytest.mark.slow)])
+                                    pytest.param("bench_any_model", marks=pytest.mark.slow),
+                                    pytest.param("bench_architectures",
+                                                 marks=pytest.mark.slow)])
 def test_logging_workloads_run_and_check_their_values(benchmarks, module):
   sizes, settings = _tiny(benchmarks)
   result = benchmarks(module).run(settings, sizes)  # Each checks its values first.

@@ -177,6 +177,9 @@ class FoundUse:
     whichever of the data operand and `g` is smaller (`sum_i c_i x_i^T g_i =
     (c x)^T g`); uses that read one input (query, key and value) then scale one copy.
     """
+    fast = self.rules.weighted(self, c)
+    if fast is not None:
+      return fast
     x_arg = self.rules.data_arg(self)
 
     def fn(operands, g, _):

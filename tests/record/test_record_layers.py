@@ -516,7 +516,7 @@ def test_sum_loss(name):
 METHOD_MODELS = ["attention_3d_kernels", "dot_general_batch_dims_per_head",
                  "conv_feature_groups", "embed_index_repeated_ids",
                  "embed_vocabulary_on_the_last_axis",
-                 "scan_over_stacked_layers_with_views"]
+                 "scan_over_stacked_layers_with_views", "rnn_scan_with_a_tied_cell"]
 
 
 @pytest.mark.parametrize("method", ["gram", "materialized"])

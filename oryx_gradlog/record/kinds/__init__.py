@@ -88,6 +88,12 @@ class Kind:
 
     return use.per_call(masked)
 
+  def weighted(self, use, c: jax.Array) -> tuple | None:
+    """Per parameter operand, `sum_i c_i grad_i` `(*calls, *w)` where the kind has a
+    cheaper form than the use's vjp at `c g` (which `None` asks for)."""
+    del use, c
+    return None
+
   def feature_axes(self, eqn, w: int) -> tuple[int, ...] | None:
     """The output's feature axes (those a bias added to the output varies along),
     for kinds whose output has them; `None` otherwise."""

@@ -45,10 +45,27 @@ class Dense(Kind):
     return tuple(range(start, start + n_w))
 
   def per_example(self, use) -> tuple:
-    """`(*calls, B, *w)`: `x_i^T g_i` per example, in the parameter operand's layout."""
+    """`(*calls, B, *w)`: `x_i^T g_i` per example, in the parameter operand's layout.
+
+    Calls that share one weight (an RNN cell's steps) are contracted with the
+    positions, as the gradient sums them, and kept as axes of size 1: forming each
+    step's gradient first would take `calls` times the memory (a parameter made by
+    a chain of functions keeps its calls, which the chain's vjp reads one by one).
+    """
     x, g, _ = canonical(use)
-    pe = dot("...gbti,...gbto->...bgio", x, g)
-    return (layout(use, pe, use.n_calls + 1),)
+    return (layout(use, _contract(use, "gbti,gbto->bgio", x, g), use.n_calls + 1),)
+
+  def weighted(self, use, c) -> tuple | None:
+    """`sum_i c_i x_i^T g_i` in one product over the calls that share one weight
+    (the use's vjp would form each call's sum first); `None` without such calls."""
+    if use.spec.chain is not None or not any(use.tied_calls):
+      return None
+    x, g, _ = canonical(use)  # (*calls, G, B, T, d)
+    factor = use.spec.batch[1 - use.w_arg][1]
+    c = jnp.repeat(c, factor) if factor > 1 else c
+    x = x * c.reshape(c.shape + (1, 1)).astype(x.dtype)
+    total = layout(use, _contract(use, "gbti,gbto->gio", x, g), use.n_calls)
+    return (total.astype(use.spec.avals[use.w_arg].dtype),)
 
   def view(self, use) -> LayerView:
     n = use.n_calls
@@ -74,6 +91,19 @@ class Dense(Kind):
 
   def cost(self, use, method: str) -> tuple[str, int, int]:
     return view_cost(use.view(), method) or super().cost(use, method)
+
+
+def _contract(use, spec: str, x: jax.Array, g: jax.Array) -> jax.Array:
+  """`dot(spec)` of canonical `x` and `g` with the call axes in front; the calls
+  that share one weight are summed in the product and kept as axes of size 1."""
+  n = use.n_calls
+  tied = use.tied_calls if use.spec.chain is None else (False,) * n
+  calls = "".join(chr(ord("A") + i) for i in range(n))
+  kept = "".join(a for a, t in zip(calls, tied) if not t)
+  ins, out = spec.split("->")
+  x_in, g_in = ins.split(",")
+  q = dot(f"{calls}{x_in},{calls}{g_in}->{kept}{out}", x, g)
+  return jnp.expand_dims(q, tuple(i for i, t in enumerate(tied) if t))
 
 
 def _parts(use):
