@@ -10,7 +10,9 @@ gives it the interface every layer use has (`MarkedUse` in `_marked.py` too):
 * `weighted_grads(c)`, `per_example_grads()`, `inner_products(v)`,
   `sum_of_squares()`: `sum_i c_i grad_i` (one vjp of the operation), each example's
   gradient (its kind's rule), `<grad_i, v>` (one jvp) and a cheap `sum_i grad_i^2`
-  where its kind has one, by parameter path as `LayerParams`.
+  where its kind has one, by parameter path as `LayerParams`;
+* `examples(start, size)`, the use of a slice of the examples alone (for analyses
+  that form per-example gradients a chunk at a time), or `None`.
 
 Everything is computed in the operand's space and mapped to the parameters' through
 the views and chain that made the operand (`to_params`, `from_params`).
@@ -31,8 +33,14 @@ import jax.numpy as jnp
 
 from oryx_gradlog.record import kinds
 from oryx_gradlog.record._canonical import LayerParams, LayerView, as_float
+from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED
 from oryx_gradlog.record._record import VJPRecord
 from oryx_gradlog.record.record_layers import Lineage
+
+
+# The kinds whose operation's parameters hold no batch size (a generic use may bind a
+# `broadcast_in_dim` or `reshape` to the whole batch's shape).
+_SLICEABLE = (CONV, DENSE, ELEMENTWISE, EMBED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +127,23 @@ class FoundUse:
   def values(self) -> None:
     """A found use holds no parameter values of its own (the analyses take `params`)."""
     return None
+
+  def examples(self, start: Any, size: int) -> FoundUse | None:
+    """The use of examples `start, ..., start + size - 1` alone (`start` may be
+    traced), for kinds whose operation reads any number of examples; else `None`."""
+    if self.kind not in _SLICEABLE:
+      return None
+    n = self.n_calls
+
+    def cut(a, batch):
+      if batch is None:
+        return a
+      axis, factor = batch
+      return jax.lax.dynamic_slice_in_dim(a, start * factor, size * factor, n + axis)
+
+    return dataclasses.replace(
+        self, operands=tuple(map(cut, self.operands, self.spec.batch)),
+        g=cut(self.g, self.spec.out_batch))
 
   # The interface every layer use has (`MarkedUse` too), by result key.
   def weighted_grads(self, c: jax.Array) -> dict[str, LayerParams]:

@@ -121,6 +121,12 @@ class MarkedUse:
       w, b = first(w), None if b is None else first(b)
     return {self.name: LayerParams(w, b)}
 
+  def examples(self, start, size) -> None:
+    """A found use's examples alone (`FoundUse.examples`); a marked layer's
+    per-example gradients are formed whole."""
+    del start, size
+    return None
+
   # The canonical (S, B, T, d) view.
   def view(self, force: bool = False) -> LayerView:
     """The layer's `LayerView` (`force` is for the interface of `FoundUse`)."""

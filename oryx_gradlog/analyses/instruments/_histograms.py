@@ -18,9 +18,12 @@ an MLP's layers) a gradient is the outer product `x_i g_i^T`, and an element
 two bins that meet at zero, by its sign: those are counted from the signs of `x_i`
 and `g_i` alone, and the rest binned, the largest rows or columns of each example
 (a 1/16, 1/4 or 1/2 cut, whichever covers the chunk) or, where none does, every
-element. Other layers (embeddings, layer norms, parameters with several uses) and
-the 2-D histogram, which pairs each element with its parameter, form the layer's
-per-example gradients whole (`Selection.per_example`).
+element. The 2-D histogram, which pairs each element with its parameter, and the
+1-D counts of other layers form the per-example gradients in the parameter's layout:
+a chunk of examples at a time inside a `lax.scan` where `gl.record_layers` found the
+parameter's one use (dense, convolution, embedding, element-wise:
+`FoundUse.examples`), else whole (`Selection.per_example`: hand-marked layers,
+parameters with several uses, generic uses).
 
 Sharp edges:
   * Only the marked layers count (Cockpit counts every parameter of the model).
@@ -32,9 +35,10 @@ Sharp edges:
   * Where zero is a bin edge (Cockpit's ranges), a value below zero is counted left
     of it, as `np.histogram` does, though float32 rounds `-1e-9 - low` to `-low`.
   * Counts are int32: at most 2**31 - 1 elements (examples times parameters).
-  * The 2-D histogram forms each layer's per-example gradients whole (B times its
-    parameters in memory), and leaves out `gl.dense_dot_general`'s bias, whose
-    value the record does not hold.
+  * Hand-marked layers, parameters with several uses and generic uses have their
+    per-example gradients formed whole for the 2-D histogram (B times the
+    parameters in memory); it leaves out `gl.dense_dot_general`'s bias, whose value
+    the record does not hold.
 """
 
 from __future__ import annotations
@@ -248,33 +252,63 @@ def histograms(api: str, selection: Selection, reduction: str, params: Any = Non
   if params is not None:
     values.update(selection.by_path(api, params))
   counts_1d = jnp.zeros((bins_1d,), jnp.int32)
-  pairs = []
+  counts_2d = jnp.zeros(bins_2d, jnp.int32)
   for key, uses in selection.groups.items():
     view = uses[0].view() if len(uses) == 1 and uses[0].kind in (DENSE, CONV) else None
-    grads = None
-    if view is None and one_d:
-      grads = jax.tree.map(lambda v: scale * v, selection.per_example(key))
-      counts_1d = counts_1d + histogram_1d(jax.tree.leaves(grads), bins_1d, range_1d)
-    elif one_d:
+    if one_d and view is not None:
       counts_1d = counts_1d + _view_counts(view, scale, bins_1d, range_1d)
-    if not two_d:
-      continue
-    if key not in values:
+    if two_d and key not in values:
       raise ValueError(
           f"{api}: the 2-D histogram needs the value of parameter {key!r}, which "
           "gl.record_layers's records do not hold: pass params=.")
-    if grads is None:
-      grads = jax.tree.map(lambda v: scale * v, selection.per_example(key))
-    for grad, value in ((grads.w, values[key].w), (grads.b, values[key].b)):
-      if grad is None or value is None:  # dense_dot_general's bias is not recorded.
-        continue
-      pairs.append((grad, value[None]))
-  counts_2d = edges_2d = None
+    if not two_d and (view is not None or not one_d):
+      continue
+
+    def counts(grads, key=key, one_d=one_d and view is None):
+      grads = jax.tree.map(lambda v: scale * v, grads)
+      c1 = (histogram_1d(jax.tree.leaves(grads), bins_1d, range_1d) if one_d
+            else jnp.zeros((bins_1d,), jnp.int32))
+      if not two_d:
+        return c1, jnp.zeros(bins_2d, jnp.int32)
+      pairs = [(grad, value[None]) for grad, value in (
+          (grads.w, values[key].w), (grads.b, values[key].b))
+               if grad is not None and value is not None]  # dense_dot_general's bias
+      return c1, histogram_2d(pairs, bins_2d, range_2d)
+
+    c1, c2 = _per_example_counts(selection, key, counts)
+    counts_1d, counts_2d = counts_1d + c1, counts_2d + c2
+  edges_2d = None
   if two_d:
-    counts_2d = histogram_2d(pairs, bins_2d, range_2d)
     edges_2d = (_edges(bins_2d[0], range_2d[0]), _edges(bins_2d[1], range_2d[1]))
   return GradientHistograms(counts_1d if one_d else None, _edges(bins_1d, range_1d),
-                            counts_2d, edges_2d)
+                            counts_2d if two_d else None, edges_2d)
+
+
+def _per_example_counts(selection: Selection, key: str, counts):
+  """`counts(grads)` of key `key`'s per-example gradients `(n, ...)` summed over
+  chunks of about `CHUNK_ELEMENTS` numbers inside a `lax.scan`, where its one use
+  reads any slice of the examples (`FoundUse.examples`); else of all at once."""
+  uses = selection.groups[key]
+  if len(uses) != 1 or uses[0].examples(0, 1) is None:
+    return counts(selection.per_example(key))
+  use = uses[0]
+  grads = lambda start, size: use.examples(start, size).per_example_grads()[key]
+  one = jax.eval_shape(lambda: grads(0, 1))
+  batch = use.batch_size
+  size = max(1, min(batch, CHUNK_ELEMENTS // max(1, sum(
+      v.size for v in jax.tree.leaves(one)))))
+  whole = batch - batch % size
+  total = counts(grads(0, size)) if whole == size else None
+  if whole > size:
+    step = lambda total, i: (jax.tree.map(jnp.add, total, counts(grads(i * size, size))),
+                             None)
+    zero = jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype),
+                        jax.eval_shape(lambda: counts(grads(0, size))))
+    total = lax.scan(step, zero, jnp.arange(whole // size))[0]
+  if whole < batch:
+    rest = counts(grads(whole, batch - whole))
+    total = rest if total is None else jax.tree.map(jnp.add, total, rest)
+  return total
 
 
 def gradient_histograms(

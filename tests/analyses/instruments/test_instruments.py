@@ -447,28 +447,38 @@ def test_gradient_histogram_of_rank_one_layers_matches_vmap_grad(monkeypatch, ch
 
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 80, None],
                          ids=CHUNKS.keys())
-def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, chunk):
+@pytest.mark.parametrize("found", [False, True], ids=["marked", "found"])
+def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, chunk, found):
+  # Found by gl.record_layers, the uses read by one use each (embedding, layer norm,
+  # convolution, stacked dense, dot_general and bias) are counted a chunk of examples
+  # at a time, in both histograms; the tied dense layer's two uses whole.
   if chunk is not None:
     monkeypatch.setattr(gl.analyses.instruments._histograms, "CHUNK_ELEMENTS", chunk)  # pylint: disable=protected-access
   p, ids, img, y = _every_layer_kind_inputs()
   one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
   grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)
-  batch_loss = lambda p: jnp.mean(_every_layer_kind(p, ids, img, y))
-  records = gl.reap(jax.grad(batch_loss))(p)
-  hist = jax.jit(lambda r: gl.gradient_histograms(r, tied=("tied",)))(records)
+  batch_loss = lambda p, ids=ids, img=img, y=y: jnp.mean(_every_layer_kind(p, ids, img, y))
+  tied = () if found else ("tied",)
+  if found:
+    records = gl.reap(jax.grad(gl.record_layers(batch_loss)))(p, ids, img, y)
+    hist = jax.jit(lambda r, p: gl.gradient_histograms(r, params=p))(records, p)
+  else:
+    records = gl.reap(jax.grad(batch_loss))(p)
+    hist = jax.jit(lambda r: gl.gradient_histograms(r, tied=tied))(records)
   # True computation: every element of every example's gradient; dense_dot_general's
-  # bias ("db") has no recorded value, so the 2-D histogram leaves it out.
+  # bias ("db") has no recorded value in its marked record, so the 2-D histogram of
+  # marked records leaves it out.
   g = np.concatenate([np.asarray(v).reshape(5, -1) for v in jax.tree.leaves(grads)], 1)
   np.testing.assert_array_equal(
       hist.counts_1d, np.histogram(np.clip(g, -2, 2), bins=100, range=(-2, 2))[0])
-  pairs = [(np.asarray(grads[k]), np.asarray(p[k])) for k in p if k != "db"]
+  pairs = [(np.asarray(grads[k]), np.asarray(p[k])) for k in p if found or k != "db"]
   xs = np.concatenate([np.clip(gk, -0.975, 0.975).ravel() for gk, _ in pairs])
   ys = np.concatenate([np.clip(np.broadcast_to(pk, gk.shape), -1.96, 1.96).ravel()
                        for gk, pk in pairs])
   np.testing.assert_array_equal(
       hist.counts_2d, np.histogram2d(xs, ys, bins=(40, 50), range=((-1, 1), (-2, 2)))[0])
   # GSNR over every parameter of every layer kind (Cockpit's MeanGSNR, eps 1e-5).
-  snr = gl.gradient_snr(records, tied=("tied",))
+  snr = gl.gradient_snr(records, tied=tied)
   np.testing.assert_allclose(
       snr.mean, np.mean(g.mean(0) ** 2 / ((g ** 2).mean(0) - g.mean(0) ** 2 + 1e-5)),
       rtol=2e-3)
