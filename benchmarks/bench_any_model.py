@@ -134,6 +134,15 @@ def per_example_grads(loss, batch: int, params, inputs, targets):
                              for g in jax.tree.leaves(grads)))
 
 
+def vmap_clipped(loss, batch: int):
+  """The hand-written clip: per-example gradients clipped to `CLIP`, averaged."""
+  def clipped(*args):
+    per_example, total = per_example_grads(loss, batch, *args)
+    factors = jnp.minimum(1.0, CLIP / jnp.maximum(total, 1e-12))
+    return jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1) / batch, per_example)
+  return clipped
+
+
 def steps(loss, batch: int) -> dict:
   """The variants, as functions of `(params, inputs, targets)`."""
   def plain(*args):
@@ -146,17 +155,12 @@ def steps(loss, batch: int) -> dict:
     grads, records = gl.call_and_reap(jax.grad(gl.record_layers(loss)))(*args)
     return grads, gl.per_example_norms(records).norms
 
-  def vmapped(*args):
-    per_example, total = per_example_grads(loss, batch, *args)
-    factors = jnp.minimum(1.0, CLIP / jnp.maximum(total, 1e-12))
-    return jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1) / batch, per_example)
-
   out = {"plain": plain, "record_layers": record_layers, "norms": norms,
          "clipped": gl.clipped_grad(loss, l2_norm_clip=CLIP)}
   if jax_privacy is not None:
     out["jax_privacy"] = jax_privacy.clipped_grad(
         loss, l2_clip_norm=CLIP, batch_argnums=(1, 2), normalize_by=batch)
-  out["vmap"] = vmapped
+  out["vmap"] = vmap_clipped(loss, batch)
   return out
 
 

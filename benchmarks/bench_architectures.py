@@ -41,13 +41,12 @@ from flax import nnx
 
 import _harness as h
 import _mlp
-from bench_any_model import per_example_grads
+from bench_any_model import CLIP, per_example_grads, vmap_clipped
 import oryx_gradlog as gl
 
 NUMBER = 14
 TITLE = "gl.clipped_grad vs a vmap clip on stock MoE, recurrent and conv+BN models"
 TARGET = h.Target(1.0)
-CLIP = 1.0
 # Flax NNX 0.12 holds a list of modules in an `nnx.List`; older NNX in a list.
 _List = getattr(nnx, "List", list)
 
@@ -134,15 +133,6 @@ def model(name: str, batch: int, width: int, seed: int = 0):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
   return loss, (params, inputs, labels)
-
-
-def vmap_clipped(loss, batch: int):
-  """The hand-written clip: per-example gradients clipped to `CLIP`, averaged."""
-  def clipped(*args):
-    grads, norms = per_example_grads(loss, batch, *args)
-    factors = jnp.minimum(1.0, CLIP / jnp.maximum(norms, 1e-12))
-    return jax.tree.map(lambda g: jnp.tensordot(factors, g, axes=1) / batch, grads)
-  return clipped
 
 
 def variants(name: str, batch: int, width: int) -> dict[str, h.Variant]:

@@ -33,14 +33,8 @@ import jax.numpy as jnp
 
 from oryx_gradlog.record import kinds
 from oryx_gradlog.record._canonical import LayerParams, LayerView, as_float
-from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED
 from oryx_gradlog.record._record import VJPRecord
 from oryx_gradlog.record.record_layers import Lineage
-
-
-# The kinds whose operation's parameters hold no batch size (a generic use may bind a
-# `broadcast_in_dim` or `reshape` to the whole batch's shape).
-_SLICEABLE = (CONV, DENSE, ELEMENTWISE, EMBED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +124,9 @@ class FoundUse:
 
   def examples(self, start: Any, size: int) -> FoundUse | None:
     """The use of examples `start, ..., start + size - 1` alone (`start` may be
-    traced), for kinds whose operation reads any number of examples; else `None`."""
-    if self.kind not in _SLICEABLE:
+    traced), for kinds whose operation reads any number of examples
+    (`Kind.sliceable`); else `None`."""
+    if not self.rules.sliceable:
       return None
     n = self.n_calls
 

@@ -275,8 +275,8 @@ def histograms(api: str, selection: Selection, reduction: str, params: Any = Non
                if grad is not None and value is not None]  # dense_dot_general's bias
       return c1, histogram_2d(pairs, bins_2d, range_2d)
 
-    c1, c2 = _per_example_counts(selection, key, counts)
-    counts_1d, counts_2d = counts_1d + c1, counts_2d + c2
+    counts_1d, counts_2d = _per_example_counts(selection, key, counts,
+                                               (counts_1d, counts_2d))
   edges_2d = None
   if two_d:
     edges_2d = (_edges(bins_2d[0], range_2d[0]), _edges(bins_2d[1], range_2d[1]))
@@ -284,30 +284,23 @@ def histograms(api: str, selection: Selection, reduction: str, params: Any = Non
                             counts_2d if two_d else None, edges_2d)
 
 
-def _per_example_counts(selection: Selection, key: str, counts):
-  """`counts(grads)` of key `key`'s per-example gradients `(n, ...)` summed over
-  chunks of about `CHUNK_ELEMENTS` numbers inside a `lax.scan`, where its one use
-  reads any slice of the examples (`FoundUse.examples`); else of all at once."""
+def _per_example_counts(selection: Selection, key: str, counts, total):
+  """`total` plus `counts(grads)` of key `key`'s per-example gradients `(n, ...)`, in
+  chunks of about `CHUNK_ELEMENTS` numbers inside a `lax.scan` where its one use
+  reads any slice of the examples (`FoundUse.examples`), else all at once."""
+  add = lambda total, grads: jax.tree.map(jnp.add, total, counts(grads))
   uses = selection.groups[key]
   if len(uses) != 1 or uses[0].examples(0, 1) is None:
-    return counts(selection.per_example(key))
-  use = uses[0]
-  grads = lambda start, size: use.examples(start, size).per_example_grads()[key]
-  one = jax.eval_shape(lambda: grads(0, 1))
-  batch = use.batch_size
-  size = max(1, min(batch, CHUNK_ELEMENTS // max(1, sum(
-      v.size for v in jax.tree.leaves(one)))))
+    return add(total, selection.per_example(key))
+  grads = lambda start, size: uses[0].examples(start, size).per_example_grads()[key]
+  batch = uses[0].batch_size
+  per_example = sum(v.size for v in jax.tree.leaves(jax.eval_shape(lambda: grads(0, 1))))
+  size = max(1, min(batch, CHUNK_ELEMENTS // max(1, per_example)))
   whole = batch - batch % size
-  total = counts(grads(0, size)) if whole == size else None
-  if whole > size:
-    step = lambda total, i: (jax.tree.map(jnp.add, total, counts(grads(i * size, size))),
-                             None)
-    zero = jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype),
-                        jax.eval_shape(lambda: counts(grads(0, size))))
-    total = lax.scan(step, zero, jnp.arange(whole // size))[0]
+  total = lax.scan(lambda total, i: (add(total, grads(i * size, size)), None), total,
+                   jnp.arange(whole // size))[0]
   if whole < batch:
-    rest = counts(grads(whole, batch - whole))
-    total = rest if total is None else jax.tree.map(jnp.add, total, rest)
+    total = add(total, grads(whole, batch - whole))
   return total
 
 

@@ -58,6 +58,10 @@ class Kind:
 
   name: str = GENERIC
   primitives: tuple = ()
+  # Whether the operation's parameters hold no batch size, so that a use of a slice
+  # of the examples binds it as it is (`FoundUse.examples`); a generic use may bind
+  # a `broadcast_in_dim` or `reshape` to the whole batch's shape.
+  sliceable: bool = False
 
   def recognise(self, eqn, ins, w: int) -> bool:
     """Whether the equation `eqn` (parameter operand `w`) is a use of this kind."""

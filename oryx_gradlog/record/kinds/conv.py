@@ -19,6 +19,7 @@ from oryx_gradlog.record.kinds import Kind, register, view_cost
 class Conv(Kind):
   name = CONV
   primitives = (lax.conv_general_dilated_p,)
+  sliceable = True
 
   def recognise(self, eqn, ins, w) -> bool:
     """A convolution of a batched input (batch on its N axis) with a parameter kernel."""

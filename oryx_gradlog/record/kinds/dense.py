@@ -22,6 +22,7 @@ from oryx_gradlog.record.kinds import Kind, register, view_cost
 class Dense(Kind):
   name = DENSE
   primitives = (lax.dot_general_p,)
+  sliceable = True
 
   def recognise(self, eqn, ins, w) -> bool:
     """A dot_general whose data operand has its batch axis among its free axes."""
@@ -60,9 +61,7 @@ class Dense(Kind):
     (the use's vjp would form each call's sum first); `None` without such calls."""
     if use.spec.chain is not None or not any(use.tied_calls):
       return None
-    x, g, _ = canonical(use)  # (*calls, G, B, T, d)
-    factor = use.spec.batch[1 - use.w_arg][1]
-    c = jnp.repeat(c, factor) if factor > 1 else c
+    x, g, _ = canonical(use)  # (*calls, G, B, T, d); one row an example (`recognise`)
     x = x * c.reshape(c.shape + (1, 1)).astype(x.dtype)
     total = layout(use, _contract(use, "gbti,gbto->gio", x, g), use.n_calls)
     return (total.astype(use.spec.avals[use.w_arg].dtype),)

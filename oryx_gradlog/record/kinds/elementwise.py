@@ -22,6 +22,7 @@ class Elementwise(Kind):
       lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.max_p, lax.min_p, lax.pow_p,
       lax.atan2_p, lax.rem_p, lax.nextafter_p, lax.select_n_p, lax.clamp_p,
       _internals.add_any_p, lax.broadcast_in_dim_p)
+  sliceable = True
 
   def per_example(self, use) -> tuple:
     def one_call(operands, g, _):

@@ -23,6 +23,7 @@ from oryx_gradlog.record.kinds import Kind, register, view_cost
 class Embed(Kind):
   name = EMBED
   primitives = (lax.gather_p,)
+  sliceable = True
 
   def recognise(self, eqn, ins, w) -> bool:
     dims = eqn.params["dimension_numbers"]
