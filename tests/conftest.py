@@ -7,7 +7,7 @@ analyses of one backward pass in `analyses/test_analyses.py`). At the top: check
 of the whole package (its API, docstrings, examples, README, install, benchmarks,
 many processes, float64) and the shared helpers (`per_example.py`: `vmap(grad)`
 references for found layers; this module). Tests marked `slow` run with
-GRADLOG_SLOW_TESTS set.
+GRADLOG_SLOW_TESTS set (CI: on the newest JAX).
 """
 
 import os
@@ -43,16 +43,26 @@ VARIANTS = {
 }
 
 
+# The files whose tests take longest (processes, whole programs, stock models) run
+# first, so that pytest-xdist's workers are not left waiting on one of them at the end.
+LONG_FIRST = ("test_multihost.py", "test_examples.py", "test_readme.py",
+              "test_benchmarks.py", "test_frameworks_record_layers.py")
+
+
 def pytest_collection_modifyitems(config, items):
-  """Tests marked `slow` run only with GRADLOG_SLOW_TESTS set (CI sets it for the
-  oldest and the newest JAX; `make test` leaves them out). `=all` also runs the
-  4-process test of test_multihost.py."""
+  """Tests marked `slow` run only with GRADLOG_SLOW_TESTS set; `make test` leaves them
+  out. CI runs them all on the newest JAX (`=all`, which adds the 4-process test of
+  test_multihost.py), and on the default set only those also marked `newcomer` (the
+  README's blocks and `make demo`'s example: `=newcomer`). The files of `LONG_FIRST`
+  go first (in their own order)."""
   del config
-  if os.environ.get("GRADLOG_SLOW_TESTS"):
+  items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # Stable.
+  wanted = os.environ.get("GRADLOG_SLOW_TESTS")
+  if wanted and wanted != "newcomer":
     return
   skip = pytest.mark.skip(reason="a long check: set GRADLOG_SLOW_TESTS=1 to run it")
   for item in items:
-    if "slow" in item.keywords:
+    if "slow" in item.keywords and not (wanted and "newcomer" in item.keywords):
       item.add_marker(skip)
 
 

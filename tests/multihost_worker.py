@@ -113,7 +113,12 @@ def main() -> None:
     return [global_array(v, by_example) for v in data(step)]
 
   params = jax.tree.map(lambda v: global_array(v, replicated), init_params())
-  stats = jax.jit(init_stats)(params, *batch(0))
+  # Made in the shardings `train_step` returns the statistics in (per-example leaves
+  # over the batch, the rest replicated), so that step 1 does not compile it again.
+  shapes = jax.eval_shape(init_stats, params, *batch(0))
+  stats = jax.jit(init_stats, out_shardings=jax.tree.map(
+      lambda v: by_example if v.ndim and v.shape[0] == BATCH else replicated, shapes))(
+          params, *batch(0))
   step_fn = jax.jit(train_step)
   log = gl.RunLog(args.run_dir, dims=DIMS, resume=args.resume,
                   steps_per_chunk=args.steps_per_chunk)

@@ -13,13 +13,19 @@ def test_examples_are_found():
   assert len(EXAMPLES) >= 3
 
 
-# The examples that take 10 s or more (on 2 cores) are long checks.
+# The examples that take 10 s or more (on 2 cores) are long checks; `make demo` runs
+# the first one, which a newcomer runs first.
 _SLOW = {"08_digits_training", "10_flax_nnx", "11_any_model_dp", "12_influence_digits"}
+_NEWCOMER = {"08_digits_training"}
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.slow) if p.stem in _SLOW else p for p in EXAMPLES],
-    ids=[p.stem for p in EXAMPLES])
+def _marks(stem):
+  return ((pytest.mark.slow,) if stem in _SLOW else ()) + (
+      (pytest.mark.newcomer,) if stem in _NEWCOMER else ())
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p.stem)) for p in EXAMPLES],
+                         ids=[p.stem for p in EXAMPLES])
 def test_example_runs_and_checks_itself(path, capsys, monkeypatch, tmp_path):
   argv = [str(path)]
   if "--quick" in path.read_text():  # Long examples have a quick mode for the tests.

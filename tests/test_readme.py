@@ -19,6 +19,7 @@ def test_the_readme_has_python_blocks():
 
 
 @pytest.mark.slow
+@pytest.mark.newcomer
 def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, capsys):
   pytest.importorskip("flax")
   monkeypatch.chdir(tmp_path)
