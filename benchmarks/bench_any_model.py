@@ -167,6 +167,7 @@ def steps(loss, batch: int) -> dict:
 LABELS = {
     "plain": "plain grad",
     "record_layers": "record_layers, reaped and dropped",
+    "record_layers_in": "record_layers(in_cotangents=True), reaped and dropped",
     "norms": "grad + per-example norms (record_layers)",
     "clipped": "gl.clipped_grad",
     "jax_privacy": "jax-privacy clipped_grad",
@@ -224,6 +225,9 @@ def compile_times(d: Decoder, settings: h.Settings) -> dict[str, h.Measurement]:
   loss, args = model(d)
   fresh = {key: (lambda key=key: steps(loss, d.batch)[key])
            for key in ("plain", "record_layers", "clipped")}
+  # Beside it, the two record sites per use that input cotangents take.
+  fresh["record_layers_in"] = lambda: (lambda *a: gl.call_and_reap(
+      jax.grad(gl.record_layers(loss, in_cotangents=True)))(*a)[0])
   lower = {key: [] for key in fresh}
   compile_ = {key: [] for key in fresh}
   for round_index in range(max(1, settings.compile_rounds // 3)):
@@ -280,7 +284,7 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
   print(f"[{NUMBER}] trace+compile, {deep} ...", file=sys.stderr, flush=True)
   m = compile_times(deep, settings)
   measurements.update(m)
-  for key in ("record_layers", "clipped"):
+  for key in ("record_layers", "record_layers_in", "clipped"):
     target = COMPILE_TARGET if key == "record_layers" else None
     explanation = (
         f"Trace+lower takes {m[f'compile_{key}_lower'].median_s:.2f} s vs "

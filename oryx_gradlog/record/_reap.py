@@ -157,6 +157,13 @@ def _reaper(f, *, tag, api):
   return wrapped
 
 
+# The components whose site sow also holds the primals, and what makes each component.
+_WITH_PRIMALS = (_sites.INPUTS, _sites.USE)
+_MAKERS = {_sites.COTANGENT: "tap or record_vjp without full=True",
+           _sites.INPUTS: "record_vjp(..., full=True)", _sites.OUTPUT: "record_vjp(..., full=True)",
+           _sites.USE: "record_layers"}
+
+
 def _assemble(arrivals, api):
   """Pairs site and record sows, then stacks the calls of each name."""
   sites, records = [], collections.defaultdict(list)
@@ -177,27 +184,30 @@ def _assemble(arrivals, api):
     else:  # No backward pass reached this call: its cotangents are zero.
       cotangents = jax.tree.map(lambda s: jnp.zeros(s.shape[:-1], s.dtype), shapes)
     calls[name][component].append(
-        (primals, cotangents) if component == _sites.INPUTS else cotangents
+        (primals, cotangents) if component in _WITH_PRIMALS else cotangents
     )
   for name, component, cotangents in itertools.chain(*reversed(records.values())):
     # Records whose site sow came before the reap (reaping the pullback of jax.vjp)
     # or went to an inner reap: in forward order, after the paired ones.
     calls[name][component].append(
-        (None, cotangents) if component == _sites.INPUTS else cotangents
+        (None, cotangents) if component in _WITH_PRIMALS else cotangents
     )
   result = {}
   for name, by_component in calls.items():
     stacked = {c: _stack(api, name, values) for c, values in by_component.items()}
     if set(stacked) == {_sites.COTANGENT}:
       result[name] = stacked[_sites.COTANGENT]
-    elif _sites.COTANGENT not in stacked:
+    elif set(stacked) == {_sites.USE}:  # A found use's one site: ((use, out), (_, g)).
+      primals, cotangents = stacked[_sites.USE]
+      result[name] = VJPRecord(None if primals is None else primals[0], cotangents[1], None)
+    elif not {_sites.COTANGENT, _sites.USE} & set(stacked):
       primals, in_cotangents = stacked.get(_sites.INPUTS, (None, None))
       result[name] = VJPRecord(primals, stacked.get(_sites.OUTPUT), in_cotangents)
     else:
+      makers = sorted(_MAKERS[c] for c in set(stacked))
       raise ValueError(
-          f"{api}: record {name!r} is made both by record_vjp(..., full=True) and by "
-          "tap or record_vjp without full=True, so its records have different kinds. "
-          "Give the sites distinct names."
+          f"{api}: record {name!r} is made both by {' and by '.join(dict.fromkeys(makers))}, "
+          "so its records have different kinds. Give the sites distinct names."
       )
   return dict(sorted(result.items()))
 

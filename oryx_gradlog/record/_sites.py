@@ -15,9 +15,9 @@ mode, so `jax.jvp`, `jax.jacfwd` and `jax.hessian` of a recorded function would
 fail. These primitives have JVP, transpose, batching, lowering and DCE rules, so a
 recorded function stays an ordinary JAX function under every transformation, and
 all three lower to nothing: the compiled program is the plain one plus the records.
-`gl.record_layers`, which finds the layers of any model in its jaxpr, wraps each use
-of a parameter in these same sites (through `record_vjp(..., full=True)`), so found
-layers keep forward mode too.
+`gl.record_layers`, which finds the layers of any model in its jaxpr, marks each use
+of a parameter with these same sites (one on its output that also sows its operands,
+`mark_use`), so found layers keep forward mode too.
 
 Sharp edges:
   * Only the first reverse-mode pass that reaches a site records it. Derivatives of
@@ -66,6 +66,7 @@ DEFAULT_TAG = "vjp"
 COTANGENT = "ct"  # `tap`, `record_vjp`: the cotangent tree.
 INPUTS = "in"  # `record_vjp(full=True)`: (primals, input cotangents).
 OUTPUT = "out"  # `record_vjp(full=True)`: the output cotangent.
+USE = "use"  # `record_layers`' uses: (primals, output cotangent) from one site.
 # Each differentiated call of a site sows twice, under one uid: a `SITE` sow on the
 # forward pass (zero-size arrays of the cotangents' shapes, plus the primals for
 # `INPUTS`), and a `RECORD` sow of the cotangents when the backward pass reaches it.
@@ -74,7 +75,7 @@ RECORD = "record"
 
 _uids = itertools.count()
 _SOW_NAME = re.compile(
-    r"^(?P<name>.*)#gradlog:(?P<kind>site|record):(?P<component>ct|in|out):(?P<uid>\d+)$"
+    r"^(?P<name>.*)#gradlog:(?P<kind>site|record):(?P<component>ct|in|out|use):(?P<uid>\d+)$"
 )
 
 
@@ -276,12 +277,14 @@ def _cotangent_transpose(cts, witness, *_, name, tag, component, treedef, mask, 
 ad.primitive_transposes[cotangent_p] = _cotangent_transpose
 
 
+def _has_cotangent(leaf) -> bool:
+  return bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact))
+
+
 def mark(tree: Any, *, name: str, tag: str, component: str, full: bool = False) -> Any:
   """Returns `tree` unchanged, marked so that its cotangent is recorded as `name`."""
   leaves, treedef = jax.tree.flatten(tree)
-  mask = tuple(
-      bool(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)) for leaf in leaves
-  )
+  mask = tuple(_has_cotangent(leaf) for leaf in leaves)
   if not any(mask):
     return tree
   marked = site_p.bind(
@@ -289,3 +292,20 @@ def mark(tree: Any, *, name: str, tag: str, component: str, full: bool = False) 
       mask=mask, full=full,
   )
   return treedef.unflatten(marked)
+
+
+def mark_use(out: Any, primals: Any, *, name: str, tag: str) -> Any:
+  """Returns `out` unchanged, marked so that its cotangent is recorded as `name` with
+  `primals` beside it: one site for a use that `record_layers` found, whose record is
+  `VJPRecord(primals, output cotangent, None)` (`record_vjp(..., full=True)` takes two
+  sites, and also records the input cotangents)."""
+  primal_leaves = jax.tree.leaves(primals)
+  out_leaves, out_treedef = jax.tree.flatten(out)
+  mask = (False,) * len(primal_leaves) + tuple(_has_cotangent(leaf) for leaf in out_leaves)
+  if not any(mask):
+    return out
+  marked = site_p.bind(
+      *primal_leaves, *out_leaves, name=name, tag=tag, component=USE,
+      treedef=jax.tree.structure((primals, out)), mask=mask, full=True,
+  )
+  return out_treedef.unflatten(marked[len(primal_leaves):])

@@ -613,6 +613,44 @@ def test_hand_marked_layers_are_recorded_once_by_parameter_path():
   assert list(mine) == ["side"] and mine["side"].primals[0].kind == "dense"
 
 
+def test_in_cotangents_on_request_equal_plain_jax():
+  """A record holds the use's operands and output cotangent; with in_cotangents=True
+  also the cotangents of the operands (one more site per use). Against plain JAX:
+  jax.grad for the weight, the zero-perturbation trick for the activations."""
+  w1, b1, w2, x = _normal(0, 3, 5), _normal(1, 5), _normal(2, 5, 2), _normal(3, B, 3)
+  params = {"w1": w1, "b1": b1, "w2": w2}
+
+  def loss(p, x, dh=0.0, dout=0.0):
+    h = jnp.tanh(x @ p["w1"] + p["b1"]) + dh
+    return jnp.mean((h @ p["w2"] + dout) ** 2)
+
+  plain = jax.jit(gl.reap(jax.grad(gl.record_layers(loss))))(params, x)
+  full = jax.jit(gl.reap(jax.grad(gl.record_layers(loss, in_cotangents=True))))(params, x)
+  assert sorted(plain) == sorted(full) == ["b1", "w1", "w2"]
+  h = jnp.tanh(x @ w1 + b1)
+  g_out = jax.grad(lambda d: loss(params, x, dout=d))(jnp.zeros((B, 2)))
+  g_h = jax.grad(lambda d: loss(params, x, dh=d))(jnp.zeros((B, 5)))
+  for records in (plain, full):
+    (use,) = records["w2"].primals
+    np.testing.assert_allclose(use.operands[0], h, rtol=1e-6)
+    np.testing.assert_allclose(use.operands[1], w2)
+    np.testing.assert_allclose(records["w2"].out_cotangent, g_out, rtol=1e-6, atol=1e-7)
+  assert all(r.in_cotangents is None for r in plain.values())
+  (cts,) = full["w2"].in_cotangents
+  np.testing.assert_allclose(cts.operands[0], g_h, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(cts.operands[1], jax.grad(loss)(params, x)["w2"], rtol=1e-5)
+  assert cts.chain_inputs == ()
+
+
+def test_a_found_use_and_a_tap_of_one_name_is_an_error_naming_both():
+  def loss(p, x):
+    return jnp.mean(gl.tap(x @ p["w"], name="w") ** 2)
+
+  with pytest.raises(ValueError, match=r"record 'w' is made both by record_layers and by "
+                                       r"tap or record_vjp without full=True"):
+    gl.reap(jax.grad(gl.record_layers(loss)))({"w": _normal(0, 3, 2)}, _normal(1, B, 3))
+
+
 def test_eager_without_jit():
   loss, params, batch = _case("embed_take_with_bias_and_dense")
   check_found(loss, params, *batch, wrap=lambda f: f)

@@ -27,11 +27,14 @@ layers:
    operation (generic: its per-example gradient is the vector-Jacobian product of
    that one operation, per example).
 4. The jaxpr is evaluated again, equation by equation under whatever
-   transformations are active (`grad`, `jit`, `vmap`, the reap), with each use
-   wrapped in a record site (`record_vjp(..., full=True)`), so that a reap collects
-   a `VJPRecord` per use whose `primals[0]` is a `LayerUse`: the operands, the
-   inputs of its chain, and a static `UseSpec` describing the use. Everything else
-   is bound as traced, so the function computes what `fun` computes.
+   transformations are active (`grad`, `jit`, `vmap`, the reap), with each use's
+   output marked by one record site, so that a reap collects a `VJPRecord` per use
+   whose `primals[0]` is a `LayerUse` (the operands, the inputs of its chain, and a
+   static `UseSpec` describing the use) and whose `out_cotangent` is the cotangent
+   of its output; `in_cotangents` is `None` unless asked for
+   (`record_layers(..., in_cotangents=True)` wraps each use in
+   `record_vjp(..., full=True)`, two sites). Everything else is bound as traced, so
+   the function computes what `fun` computes.
 
 Record names are parameter paths (`blocks.0.attn.query.kernel`), with `@2`, `@3`,
 ... for further uses of one parameter (a tied embedding's output projection) and

@@ -1,8 +1,10 @@
 """The emitter: the traced jaxpr evaluated again, each use wrapped in a record site.
 
 Evaluates the jaxpr as `jax.core.eval_jaxpr` does, under whatever transformations
-are active, with every use the walk found bound inside `record_vjp(..., full=True)`,
-so that a reap collects a `VJPRecord` per use whose `primals[0]` is a `LayerUse`.
+are active, with the output of every use the walk found marked by one record site
+that also holds its `LayerUse` (`_sites.mark_use`), so that a reap collects a
+`VJPRecord` per use whose `primals[0]` is the `LayerUse`. With input cotangents
+asked for, each use is bound inside `record_vjp(..., full=True)` instead (two sites).
 
 Sharp edges:
   * Inner `jit`s that hold uses are inlined (their shardings are not kept).
@@ -16,7 +18,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from oryx_gradlog.record import _internals
+from oryx_gradlog.record import _internals, _sites
 from oryx_gradlog.record._record import record_vjp
 from oryx_gradlog.record.record_layers._spec import LayerUse, UseSpec, _apply_use
 from oryx_gradlog.record.record_layers._walk import _Analysis
@@ -29,8 +31,10 @@ from oryx_gradlog.record.record_layers._walk import _Analysis
 class _Emitter:
   """Evaluates a jaxpr as `jax.core.eval_jaxpr` does, recording the uses."""
 
-  def __init__(self, analysis: _Analysis, specs: dict[tuple, UseSpec], tag: str):
+  def __init__(self, analysis: _Analysis, specs: dict[tuple, UseSpec], tag: str,
+               in_cotangents: bool = False):
     self.analysis, self.specs, self.tag = analysis, specs, tag
+    self.in_cotangents = in_cotangents
     self.values: dict[tuple, Any] = {}
 
   def run(self, jaxpr, consts, args, invocation=()):
@@ -58,7 +62,10 @@ class _Emitter:
     chain_inputs = () if spec.chain is None else tuple(
         self.values[key] for key in spec.chain.keys)
     layer = LayerUse(tuple(invals), chain_inputs, spec)
-    out = record_vjp(_apply_use, name=spec.name, tag=self.tag, full=True)(layer)
+    if self.in_cotangents:
+      out = record_vjp(_apply_use, name=spec.name, tag=self.tag, full=True)(layer)
+    else:
+      out = _sites.mark_use(_apply_use(layer), (layer,), name=spec.name, tag=self.tag)
     return list(out) if isinstance(out, tuple) else [out]
 
 

@@ -168,6 +168,7 @@ def record_layers(
     argnums: int | Sequence[int] = 0,
     batch_argnums: int | Sequence[int] | None = None,
     tag: str = DEFAULT_TAG,
+    in_cotangents: bool = False,
 ) -> Callable[..., Any]:
   """Returns `fun` with every use of its parameters recorded as a layer record.
 
@@ -187,6 +188,11 @@ def record_layers(
       of each of their array leaves (default: all but `argnums`). Other arguments
       and keyword arguments are passed through (a PRNG key, a learning rate).
     tag: the Oryx tag of the records.
+    in_cotangents: also record each use's input cotangents (`VJPRecord.in_cotangents`:
+      a `LayerUse` of the cotangents of its operands and chain inputs), with a second
+      record site per use. By default a record holds the primals and the output
+      cotangent only, all that the analyses read (`in_cotangents` is `None`), which
+      traces faster.
 
   Returns:
     A function with `fun`'s signature that returns what `fun` returns: a loss that
@@ -203,17 +209,18 @@ def record_layers(
     (['b', 'w'], 'dense', 'elementwise')
   """
   return recorder(fun, argnums=argnums, batch_argnums=batch_argnums, tag=tag,
-                  api="record_layers")
+                  api="record_layers", in_cotangents=in_cotangents)
 
 
-def recorder(fun, *, argnums, batch_argnums, tag, api) -> Callable[..., Any]:
+def recorder(fun, *, argnums, batch_argnums, tag, api, in_cotangents=False
+             ) -> Callable[..., Any]:
   """`record_layers` for the public function `api` (whose name its errors give)."""
   cache: dict = {}
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     traced, signature = trace(api, fun, args, kwargs, argnums, batch_argnums, cache)
-    emitter = _Emitter(traced.analysis, traced.specs, tag)
+    emitter = _Emitter(traced.analysis, traced.specs, tag, in_cotangents)
     closed = traced.jaxpr
     outs = emitter.run(closed.jaxpr, closed.consts, signature.dynamic())
     return jax.tree.unflatten(traced.out_tree, outs)
