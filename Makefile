@@ -28,6 +28,8 @@ SET ?= jax-0.5.0
 SHARED_ORYX ?= ../shared/oryx
 # pytest-xdist workers: one per core, at most 4 (PYTEST_WORKERS= runs in one process).
 PYTEST_WORKERS ?= -n auto --maxprocesses 4
+# What `make test-set` runs (TESTS="tests/record" runs some).
+TESTS ?= oryx_gradlog tests
 # The Oryx main commit of each set that needs one.
 ORYX_COMMIT_jax-0.8.2 = aa33090
 ORYX_COMMIT_jax-0.10.2 = 9b9ef13
@@ -57,7 +59,7 @@ test-all:
 	set -e; for set in $(SETS); do $(MAKE) --no-print-directory test-set SET=$$set; done
 
 test-set: .venv-$(SET)/.installed
-	.venv-$(SET)/bin/python -m pytest $(PYTEST_WORKERS) oryx_gradlog tests -q
+	.venv-$(SET)/bin/python -m pytest $(PYTEST_WORKERS) $(TESTS) -q
 
 # Benchmark-only extras per set: the bench-peers extra (jax-privacy 2.0) installs only
 # where JAX >= 0.7.1; elsewhere workload 12 skips it and says so.

@@ -7,7 +7,8 @@ analyses of one backward pass in `analyses/test_analyses.py`). At the top: check
 of the whole package (its API, docstrings, examples, README, install, benchmarks,
 many processes, float64) and the shared helpers (`per_example.py`: `vmap(grad)`
 references for found layers; this module). Tests marked `slow` run with
-GRADLOG_SLOW_TESTS set (CI: on the newest JAX).
+GRADLOG_SLOW_TESTS set (`SLOW_TESTS` below; CI: on the newest JAX, and the
+newcomer's checks on the default set).
 """
 
 import os
@@ -49,20 +50,30 @@ LONG_FIRST = ("test_multihost.py", "test_examples.py", "test_readme.py",
               "test_benchmarks.py", "test_frameworks_record_layers.py")
 
 
+# GRADLOG_SLOW_TESTS: which tests marked `slow` run. Unset, none (`make test`); `1`
+# every one; `all` every one and the 4-process test of test_multihost.py; `newcomer`
+# those also marked `newcomer` (the README's blocks, `make demo`'s example);
+# `others` the rest, and the 4-process test. CI splits them: `newcomer` on the
+# default set, `others` on the newest JAX.
+SLOW_TESTS = {"1": lambda item: True, "all": lambda item: True,
+              "newcomer": lambda item: "newcomer" in item.keywords,
+              "others": lambda item: "newcomer" not in item.keywords}
+WITH_MANY_PROCESSES = ("all", "others")
+
+
 def pytest_collection_modifyitems(config, items):
-  """Tests marked `slow` run only with GRADLOG_SLOW_TESTS set; `make test` leaves them
-  out. CI runs them all on the newest JAX (`=all`, which adds the 4-process test of
-  test_multihost.py), and on the default set only those also marked `newcomer` (the
-  README's blocks and `make demo`'s example: `=newcomer`). The files of `LONG_FIRST`
-  go first (in their own order)."""
+  """Tests marked `slow` run as GRADLOG_SLOW_TESTS says (`SLOW_TESTS`); the files of
+  `LONG_FIRST` go first (in their own order)."""
   del config
   items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # Stable.
   wanted = os.environ.get("GRADLOG_SLOW_TESTS")
-  if wanted and wanted != "newcomer":
-    return
+  if wanted and wanted not in SLOW_TESTS:
+    raise pytest.UsageError(f"GRADLOG_SLOW_TESTS={wanted!r}: give one of "
+                            f"{', '.join(SLOW_TESTS)}, or leave it unset.")
+  runs = SLOW_TESTS[wanted] if wanted else lambda item: False
   skip = pytest.mark.skip(reason="a long check: set GRADLOG_SLOW_TESTS=1 to run it")
   for item in items:
-    if "slow" in item.keywords and not (wanted and "newcomer" in item.keywords):
+    if "slow" in item.keywords and not runs(item):
       item.add_marker(skip)
 
 

@@ -27,7 +27,7 @@ pytest.importorskip("zarr")
 pytest.importorskip("xarray")
 
 import multihost_worker as worker
-from conftest import XLA_TEST_FLAGS
+from conftest import WITH_MANY_PROCESSES, XLA_TEST_FLAGS
 
 import oryx_gradlog as gl
 
@@ -140,8 +140,8 @@ def _assert_same_final_state(out, reference):
 
 
 SLOW = pytest.mark.skipif(
-    os.environ.get("GRADLOG_SLOW_TESTS") != "all",
-    reason="4 processes take ~2 minutes on 2 cores; set GRADLOG_SLOW_TESTS=all to run "
+    os.environ.get("GRADLOG_SLOW_TESTS") not in WITH_MANY_PROCESSES,
+    reason="4 processes take ~1 minute on 2 cores; set GRADLOG_SLOW_TESTS=all to run "
            "(CI does, on the newest JAX)")
 
 

@@ -138,7 +138,8 @@ def _batch_first_rule(primitive: Primitive, n_residuals: int) -> None:
 
 
 # `gradlog_site`: the forward-pass marker. Operands are the leaves of the marked
-# tree; `mask[i]` says whether leaf i is floating point and so has a cotangent.
+# tree; `mask[i]` says whether leaf i is floating point and so has a cotangent, and
+# the first `n_sown` leaves are sown on the forward pass beside the shapes.
 site_p = Primitive("gradlog_site")
 _identity_rules(site_p, 0)
 _batch_first_rule(site_p, 0)
@@ -226,7 +227,7 @@ def _shape_witness(x):
   return lax.broadcast_in_dim(x, (*jnp.shape(x), 0), tuple(range(jnp.ndim(x))))
 
 
-def _site_jvp(primals, tangents, *, name, tag, component, treedef, mask, full):
+def _site_jvp(primals, tangents, *, name, tag, component, treedef, mask, n_sown):
   _check_reap_not_outside_shard_map(name, tag, _internals.current_manual_axes())
   uid = next(_uids)
   witnesses = [_shape_witness(p) for p, m in zip(primals, mask) if m]
@@ -236,7 +237,8 @@ def _site_jvp(primals, tangents, *, name, tag, component, treedef, mask, full):
     (batch,) = batch_first_p.bind(lax.reshape(w, (0,)), batch)
   fill = iter(batch_first_p.bind(batch, *witnesses))
   _, sown_shapes = sow(
-      (treedef.unflatten(primals) if full else None,
+      (treedef.unflatten([*primals[:n_sown], *[None] * (len(primals) - n_sown)])
+       if n_sown else None,
        treedef.unflatten([next(fill) if m else None for m in mask])),
       tag=tag,
       name=_sow_name(name, SITE, component, uid),
@@ -289,7 +291,7 @@ def mark(tree: Any, *, name: str, tag: str, component: str, full: bool = False) 
     return tree
   marked = site_p.bind(
       *leaves, name=name, tag=tag, component=component, treedef=treedef,
-      mask=mask, full=full,
+      mask=mask, n_sown=len(leaves) if full else 0,
   )
   return treedef.unflatten(marked)
 
@@ -298,7 +300,8 @@ def mark_use(out: Any, primals: Any, *, name: str, tag: str) -> Any:
   """Returns `out` unchanged, marked so that its cotangent is recorded as `name` with
   `primals` beside it: one site for a use that `record_layers` found, whose record is
   `VJPRecord(primals, output cotangent, None)` (`record_vjp(..., full=True)` takes two
-  sites, and also records the input cotangents)."""
+  sites, and also records the input cotangents). Only `primals` are sown beside the
+  shapes, not `out`."""
   primal_leaves = jax.tree.leaves(primals)
   out_leaves, out_treedef = jax.tree.flatten(out)
   mask = (False,) * len(primal_leaves) + tuple(_has_cotangent(leaf) for leaf in out_leaves)
@@ -306,6 +309,6 @@ def mark_use(out: Any, primals: Any, *, name: str, tag: str) -> Any:
     return out
   marked = site_p.bind(
       *primal_leaves, *out_leaves, name=name, tag=tag, component=USE,
-      treedef=jax.tree.structure((primals, out)), mask=mask, full=True,
+      treedef=jax.tree.structure((primals, out)), mask=mask, n_sown=len(primal_leaves),
   )
   return out_treedef.unflatten(marked[len(primal_leaves):])
