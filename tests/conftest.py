@@ -51,14 +51,14 @@ LONG_FIRST = ("test_multihost.py", "test_examples.py", "test_readme.py",
 
 
 # GRADLOG_SLOW_TESTS: which tests marked `slow` run. Unset, none (`make test`); `1`
-# every one; `all` every one and the 4-process test of test_multihost.py; `newcomer`
-# those also marked `newcomer` (the README's blocks, `make demo`'s example);
-# `others` the rest, and the 4-process test. CI splits them: `newcomer` on the
-# default set, `others` on the newest JAX.
-SLOW_TESTS = {"1": lambda item: True, "all": lambda item: True,
+# every one but those marked `many_processes` (the 4-process test of
+# test_multihost.py); `all` every one; `newcomer` those also marked `newcomer` (the
+# README's blocks, `make demo`'s example); `others` the rest, 4 processes too. CI
+# splits them: `newcomer` on the default set, `others` on the newest JAX.
+SLOW_TESTS = {"1": lambda item: "many_processes" not in item.keywords,
+              "all": lambda item: True,
               "newcomer": lambda item: "newcomer" in item.keywords,
               "others": lambda item: "newcomer" not in item.keywords}
-WITH_MANY_PROCESSES = ("all", "others")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
                             f"{', '.join(SLOW_TESTS)}, or leave it unset.")
   runs = SLOW_TESTS[wanted] if wanted else lambda item: False
   skip = pytest.mark.skip(reason=f"a long check that GRADLOG_SLOW_TESTS={wanted or ''} "
-                          "leaves out: set GRADLOG_SLOW_TESTS=1 to run it")
+                          "leaves out: set GRADLOG_SLOW_TESTS=all to run it")
   for item in items:
     if "slow" in item.keywords and not runs(item):
       item.add_marker(skip)

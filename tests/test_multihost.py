@@ -27,7 +27,7 @@ pytest.importorskip("zarr")
 pytest.importorskip("xarray")
 
 import multihost_worker as worker
-from conftest import WITH_MANY_PROCESSES, XLA_TEST_FLAGS
+from conftest import XLA_TEST_FLAGS
 
 import oryx_gradlog as gl
 
@@ -139,13 +139,10 @@ def _assert_same_final_state(out, reference):
                                atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-SLOW = pytest.mark.skipif(
-    os.environ.get("GRADLOG_SLOW_TESTS") not in WITH_MANY_PROCESSES,
-    reason="4 processes take ~1 minute on 2 cores; set GRADLOG_SLOW_TESTS=all to run "
-           "(CI does, on the newest JAX)")
-
-
-@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=SLOW)])
+# 4 processes take ~1 minute on 2 cores: GRADLOG_SLOW_TESTS=all runs them (CI does,
+# on the newest JAX).
+@pytest.mark.parametrize("processes", [
+    2, pytest.param(4, marks=(pytest.mark.slow, pytest.mark.many_processes))])
 def test_processes_log_one_run_equal_to_one_process(processes, tmp_path_factory):
   root = tmp_path_factory.getbasetemp()
   run_dir = tmp_path_factory.mktemp(f"p{processes}") / "run"
