@@ -157,8 +157,7 @@ def _reaper(f, *, tag, api):
   return wrapped
 
 
-# The components whose site sow also holds the primals, and what makes each component.
-_WITH_PRIMALS = (_sites.INPUTS, _sites.USE)
+# What makes each component.
 _MAKERS = {_sites.COTANGENT: "tap or record_vjp without full=True",
            _sites.INPUTS: "record_vjp(..., full=True)", _sites.OUTPUT: "record_vjp(..., full=True)",
            _sites.USE: "record_layers"}
@@ -183,23 +182,19 @@ def _assemble(arrivals, api):
       cotangents = records[uid].pop(0)[2]
     else:  # No backward pass reached this call: its cotangents are zero.
       cotangents = jax.tree.map(lambda s: jnp.zeros(s.shape[:-1], s.dtype), shapes)
-    calls[name][component].append(
-        (primals, cotangents) if component in _WITH_PRIMALS else cotangents
-    )
+    _add_call(calls, name, component, primals, cotangents)
   for name, component, cotangents in itertools.chain(*reversed(records.values())):
     # Records whose site sow came before the reap (reaping the pullback of jax.vjp)
     # or went to an inner reap: in forward order, after the paired ones.
-    calls[name][component].append(
-        (None, cotangents) if component in _WITH_PRIMALS else cotangents
-    )
+    _add_call(calls, name, component, None, cotangents)
   result = {}
   for name, by_component in calls.items():
     stacked = {c: _stack(api, name, values) for c, values in by_component.items()}
     if set(stacked) == {_sites.COTANGENT}:
       result[name] = stacked[_sites.COTANGENT]
-    elif set(stacked) == {_sites.USE}:  # A found use's one site: ((use, out), (_, g)).
-      primals, cotangents = stacked[_sites.USE]
-      result[name] = VJPRecord(None if primals is None else primals[0], cotangents[1], None)
+    elif set(stacked) == {_sites.USE}:
+      use, cotangent = stacked[_sites.USE]
+      result[name] = VJPRecord(None if use is None else (use,), cotangent, None)
     elif not {_sites.COTANGENT, _sites.USE} & set(stacked):
       primals, in_cotangents = stacked.get(_sites.INPUTS, (None, None))
       result[name] = VJPRecord(primals, stacked.get(_sites.OUTPUT), in_cotangents)
@@ -210,6 +205,21 @@ def _assemble(arrivals, api):
           "so its records have different kinds. Give the sites distinct names."
       )
   return dict(sorted(result.items()))
+
+
+def _add_call(calls, name, component, primals, cotangents) -> None:
+  """Adds one call's record to `calls[name][component]`. A site of found uses holds
+  one use, or a layer and its bias (names joined; an add passes its cotangent on
+  unchanged, so the output cotangent is both uses'), and adds `(use, output
+  cotangent)` under each use's name."""
+  if component == _sites.USE:  # primals: ((use, ...), None); cotangents: (_, g).
+    for i, use_name in enumerate(_sites.split_name(name)):
+      calls[use_name][component].append(
+          (None if primals is None else primals[0][i], cotangents[1]))
+  elif component == _sites.INPUTS:
+    calls[name][component].append((primals, cotangents))
+  else:
+    calls[name][component].append(cotangents)
 
 
 def _describe(record):
@@ -282,7 +292,7 @@ def _reraise_oryx_error(error, api):
     raise ValueError(f"{api}: {message}") from error
   sow_names = [word.strip("'`.:") for word in message.split()]
   sites = [_sites.parse_sow_name(word) for word in sow_names]
-  name = next((site[0] for site in sites if site), None)
+  name = next((_sites.split_name(site[0])[0] for site in sites if site), None)
   if name is None:
     return
   if "already been reaped" in message:

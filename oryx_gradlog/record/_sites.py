@@ -17,7 +17,7 @@ recorded function stays an ordinary JAX function under every transformation, and
 all three lower to nothing: the compiled program is the plain one plus the records.
 `gl.record_layers`, which finds the layers of any model in its jaxpr, marks each use
 of a parameter with these same sites (one on its output that also sows its operands,
-`mark_use`), so found layers keep forward mode too.
+`mark_use`; a layer and its bias share one), so found layers keep forward mode too.
 
 Sharp edges:
   * Only the first reverse-mode pass that reaches a site records it. Derivatives of
@@ -66,7 +66,7 @@ DEFAULT_TAG = "vjp"
 COTANGENT = "ct"  # `tap`, `record_vjp`: the cotangent tree.
 INPUTS = "in"  # `record_vjp(full=True)`: (primals, input cotangents).
 OUTPUT = "out"  # `record_vjp(full=True)`: the output cotangent.
-USE = "use"  # `record_layers`' uses: (primals, output cotangent) from one site.
+USE = "use"  # `record_layers`' uses (one, or a layer and its bias): (uses, cotangent).
 # Each differentiated call of a site sows twice, under one uid: a `SITE` sow on the
 # forward pass (zero-size arrays of the cotangents' shapes, plus the primals for
 # `INPUTS`), and a `RECORD` sow of the cotangents when the backward pass reaches it.
@@ -92,11 +92,24 @@ def parse_sow_name(sow_name: Any) -> tuple[str, str, str, int] | None:
   return match["name"], match["kind"], match["component"], int(match["uid"])
 
 
+# One site of `record_layers` records a layer and its bias: their names, joined.
+_JOIN = "#gradlog&"
+
+
+def joined_name(names) -> str:
+  return _JOIN.join(names)
+
+
+def split_name(name: str) -> list[str]:
+  """The names of the records of a `USE` site (one, or a layer's and its bias's)."""
+  return name.split(_JOIN)
+
+
 def check_name(api: str, name: Any) -> None:
-  if not isinstance(name, str) or not name or "#gradlog:" in name:
+  if not isinstance(name, str) or not name or "#gradlog" in name:
     raise ValueError(
         f"{api}(name={name!r}): a record name must be a non-empty string without "
-        "'#gradlog:'. Pass e.g. name='layer1'."
+        "'#gradlog'. Pass e.g. name='layer1'."
     )
 
 
@@ -201,7 +214,7 @@ def _check_reap_not_outside_shard_map(name: str, tag: Any, manual_axes: frozense
   outer = [axes for t, axes in getattr(_reaps, "stack", ()) if t == tag]
   if outer and not manual_axes <= outer[-1]:
     raise ValueError(
-        f"record {name!r} is made inside a shard_map body by a reap outside it, "
+        f"record {split_name(name)[0]!r} is made inside a shard_map body by a reap outside it, "
         "which Oryx cannot reap through. Reap inside the per-shard function instead, "
         "e.g. `grads, records = gl.call_and_reap(jax.grad(local_loss))(...)`, and "
         "return the records through out_specs (P('data') for per-example records)."
@@ -296,12 +309,13 @@ def mark(tree: Any, *, name: str, tag: str, component: str, full: bool = False) 
   return treedef.unflatten(marked)
 
 
-def mark_use(out: Any, primals: Any, *, name: str, tag: str) -> Any:
-  """Returns `out` unchanged, marked so that its cotangent is recorded as `name` with
-  `primals` beside it: one site for a use that `record_layers` found, whose record is
-  `VJPRecord(primals, output cotangent, None)` (`record_vjp(..., full=True)` takes two
-  sites, and also records the input cotangents). Only `primals` are sown beside the
-  shapes, not `out`."""
+def mark_use(out: Any, primals: tuple, *, name: str, tag: str) -> Any:
+  """Returns `out` unchanged, marked so that its cotangent is recorded with `primals`
+  beside it: one site for the uses that `record_layers` found (one, or a layer and
+  its bias, named `joined_name` of theirs), whose records are `VJPRecord(primals[i],
+  output cotangent, None)` (`record_vjp(..., full=True)` takes two sites, and also
+  records the input cotangents). Only `primals` are sown beside the shapes, not
+  `out`."""
   primal_leaves = jax.tree.leaves(primals)
   out_leaves, out_treedef = jax.tree.flatten(out)
   mask = (False,) * len(primal_leaves) + tuple(_has_cotangent(leaf) for leaf in out_leaves)

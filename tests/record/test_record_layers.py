@@ -642,6 +642,49 @@ def test_in_cotangents_on_request_equal_plain_jax():
   assert cts.chain_inputs == ()
 
 
+def test_a_layer_whose_output_only_its_bias_reads_shares_its_bias_site():
+  """A dense use whose output only its bias add reads is marked once, at the add,
+  and both records hold the add's output cotangent; a dense use whose output is also
+  read elsewhere keeps its own site. Against the zero-perturbation trick, under jit,
+  through the pullback of jax.vjp (records without primals), and two calls stacked."""
+  w1, b1, w2, b2, x = (_normal(0, 3, 5), _normal(1, 5), _normal(2, 5, 2), _normal(3, 2),
+                       _normal(4, B, 3))
+  params = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+
+  def loss(p, x, dz=0.0, dy=0.0, dv=0.0):
+    z = x @ p["w1"] + p["b1"] + dz  # Only the bias reads x @ w1: one site for both.
+    y = jnp.tanh(z) @ p["w2"] + dy
+    v = y + p["b2"] + dv
+    return jnp.mean((v + 0.5 * y) ** 2)  # y is read twice: w2 and b2 have a site each.
+
+  recorded = gl.record_layers(loss)
+  sites = [e for e in jax.make_jaxpr(recorded)(params, x).eqns
+           if e.primitive.name == "gradlog_site"]
+  assert len(sites) == 3
+  g = {name: jax.grad(lambda d, name=name: loss(params, x, **{name: d}))(jnp.zeros(shape))
+       for name, shape in (("dz", (B, 5)), ("dy", (B, 2)), ("dv", (B, 2)))}
+  expected = {"w1": g["dz"], "b1": g["dz"], "w2": g["dy"], "b2": g["dv"]}
+  records = jax.jit(gl.reap(jax.grad(recorded)))(params, x)
+  _, pullback = jax.vjp(recorded, params, x)
+  pulled = gl.reap(pullback)(jnp.ones(()))
+  assert sorted(records) == sorted(pulled) == sorted(expected)
+  for name, cotangent in expected.items():
+    np.testing.assert_allclose(records[name].out_cotangent, cotangent, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(pulled[name].out_cotangent, cotangent, rtol=1e-6, atol=1e-8)
+    assert pulled[name].primals is None
+  (dense,), (bias,) = records["w1"].primals, records["b1"].primals
+  assert (dense.kind, bias.kind) == ("dense", "elementwise")
+  np.testing.assert_allclose(dense.operands[0], x)
+  np.testing.assert_allclose(bias.operands[0], x @ w1, rtol=1e-6)
+  # Two calls in one reap: each name's calls stack in call order.
+  twice = gl.reap(jax.grad(lambda p, x: recorded(p, x) + recorded(p, 2 * x)))(params, x)
+  g2 = jax.grad(lambda d: loss(params, 2 * x, dz=d))(jnp.zeros((B, 5)))
+  for name in ("w1", "b1"):
+    np.testing.assert_allclose(twice[name].out_cotangent[0], g["dz"], rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(twice[name].out_cotangent[1], g2, rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(twice["b1"].primals[0].operands[0][1], 2 * x @ w1, rtol=1e-6)
+
+
 def test_a_found_use_and_a_tap_of_one_name_is_an_error_naming_both():
   def loss(p, x):
     return jnp.mean(gl.tap(x @ p["w"], name="w") ** 2)

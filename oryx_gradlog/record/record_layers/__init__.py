@@ -28,10 +28,12 @@ layers:
    that one operation, per example).
 4. The jaxpr is evaluated again, equation by equation under whatever
    transformations are active (`grad`, `jit`, `vmap`, the reap), with each use's
-   output marked by one record site, so that a reap collects a `VJPRecord` per use
-   whose `primals[0]` is a `LayerUse` (the operands, the inputs of its chain, and a
-   static `UseSpec` describing the use) and whose `out_cotangent` is the cotangent
-   of its output; `in_cotangents` is `None` unless asked for
+   output marked by one record site (a dense or convolution use whose output only
+   its bias reads shares the bias's site, whose cotangent is also its own), so that a
+   reap collects a `VJPRecord` per use whose `primals[0]` is a `LayerUse` (the
+   operands, the inputs of its chain, and a static `UseSpec` describing the use) and
+   whose `out_cotangent` is the cotangent of its output; `in_cotangents` is `None`
+   unless asked for
    (`record_layers(..., in_cotangents=True)` wraps each use in
    `record_vjp(..., full=True)`, two sites). Everything else is bound as traced, so
    the function computes what `fun` computes.

@@ -3,8 +3,11 @@
 Evaluates the jaxpr as `jax.core.eval_jaxpr` does, under whatever transformations
 are active, with the output of every use the walk found marked by one record site
 that also holds its `LayerUse` (`_sites.mark_use`), so that a reap collects a
-`VJPRecord` per use whose `primals[0]` is the `LayerUse`. With input cotangents
-asked for, each use is bound inside `record_vjp(..., full=True)` instead (two sites).
+`VJPRecord` per use whose `primals[0]` is the `LayerUse`. A dense or convolution use
+whose output only its bias reads (`_Analysis.paired`) is marked by its bias's site,
+which holds both `LayerUse`s: an add passes its cotangent on unchanged, so the one
+cotangent is both records'. With input cotangents asked for, each use is bound
+inside `record_vjp(..., full=True)` instead (two sites a use).
 
 Sharp edges:
   * Inner `jit`s that hold uses are inlined (their shardings are not kept).
@@ -36,6 +39,7 @@ class _Emitter:
     self.analysis, self.specs, self.tag = analysis, specs, tag
     self.in_cotangents = in_cotangents
     self.values: dict[tuple, Any] = {}
+    self.layers: dict[tuple, LayerUse] = {}  # Layers waiting for their bias's site.
 
   def run(self, jaxpr, consts, args, invocation=()):
     values = self.values
@@ -47,7 +51,7 @@ class _Emitter:
       path = invocation + (k,)
       invals = [read(v) for v in eqn.invars]
       if path in self.specs:
-        outs = self.use(self.specs[path], invals)
+        outs = self.use(path, invals)
       elif path in self.analysis.marked and eqn.params["tag"] == self.tag:
         outs = invals  # A hand-marked layer's site: its uses are recorded instead.
       elif path in self.analysis.inline:
@@ -58,14 +62,20 @@ class _Emitter:
         values[(invocation, var)] = value
     return [read(v) for v in jaxpr.outvars]
 
-  def use(self, spec: UseSpec, invals):
+  def use(self, path: tuple, invals):
+    spec = self.specs[path]
     chain_inputs = () if spec.chain is None else tuple(
         self.values[key] for key in spec.chain.keys)
     layer = LayerUse(tuple(invals), chain_inputs, spec)
     if self.in_cotangents:
       out = record_vjp(_apply_use, name=spec.name, tag=self.tag, full=True)(layer)
+    elif path in self.analysis.paired:  # Marked at its bias's site.
+      self.layers[self.analysis.paired[path]] = layer
+      out = _apply_use(layer)
     else:
-      out = _sites.mark_use(_apply_use(layer), (layer,), name=spec.name, tag=self.tag)
+      layers = (self.layers.pop(path), layer) if path in self.layers else (layer,)
+      out = _sites.mark_use(_apply_use(layer), layers, tag=self.tag,
+                            name=_sites.joined_name([l.spec.name for l in layers]))
     return list(out) if isinstance(out, tuple) else [out]
 
 

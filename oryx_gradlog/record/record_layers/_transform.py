@@ -74,6 +74,8 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
                       "norm does in training), so no parameter has a per-example "
                       "gradient")
   _check_complete(api, closed.jaxpr, analysis, dynamic_kinds, dynamic_names, live)
+  analysis.paired = {use.shifts: path for path, use in analysis.uses.items()
+                     if use.sole and use.shifts in analysis.uses}
   params = tuple((n, tuple(v.aval.shape), v.aval.dtype)
                  for n, k, v in zip(dynamic_names, dynamic_kinds, closed.jaxpr.invars)
                  if k == "param")

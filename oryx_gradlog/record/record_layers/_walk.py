@@ -5,7 +5,8 @@ back to a parameter leaf; the use whose output it is) by one rule per kind of
 equation, kept in `_RULES` keyed by the JAX primitive objects (`_internals`); an
 equation where parameters meet the batch is a use, whose kind the table of kinds
 (`kinds/`) decides. An element-wise add of a parameter to a dense or convolution
-use's output, varying along its features only, is that layer's bias (`shifts`).
+use's output, varying along its features only, is that layer's bias (`shifts`); where
+it is the only reader of that output (`sole`), one record site serves both.
 The record sites of a hand-marked layer (`gl.dense`, ...) are noted so that the
 emitter records the layer once, as its uses. Equations with bodies the walk enters (`jit`, `scan`, `cond`,
 `remat`) have rules of their own; every other equation, with bodies or without, is
@@ -19,6 +20,7 @@ Sharp edges:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable
@@ -110,6 +112,7 @@ class _Use:
   reason: str = ""
   leaves: frozenset = frozenset()  # The parameter leaves its parameter operands read.
   shifts: tuple | None = None  # A bias's: the path of the use whose output it shifts.
+  sole: bool = False  # A bias's: it is the only reader of that use's output.
 
   def paths(self) -> tuple[str, ...]:
     return _paths((*self.lineages, self.chain))
@@ -138,6 +141,8 @@ class _Analysis:
     self.coupling = ""  # Where examples are first mixed, if anywhere.
     self.marked: set[tuple] = set()  # The sites of hand-marked layers.
     self.marked_names: set[tuple] = set()  # Their (name, tag)s.
+    # The layers recorded by their bias's site, by path: the bias's path.
+    self.paired: dict[tuple, tuple] = {}
 
   def run(self, jaxpr1, jaxpr2, in_infos, invocation=(), calls=()):
     """Returns the infos of `jaxpr1`'s outputs, given those of its inputs."""
@@ -145,6 +150,7 @@ class _Analysis:
     read = lambda v: _CONST if isinstance(v, jax.extend.core.Literal) else env.get(v, _CONST)
     if len(jaxpr1.eqns) != len(jaxpr2.eqns):
       raise _TraceMismatch(invocation, f"{len(jaxpr1.eqns)} vs {len(jaxpr2.eqns)} equations")
+    biases = []
     for k, (e1, e2) in enumerate(zip(jaxpr1.eqns, jaxpr2.eqns)):
       if e1.primitive is not e2.primitive or len(e1.outvars) != len(e2.outvars):
         raise _TraceMismatch(invocation + (k,), f"{e1.primitive} vs {e2.primitive}")
@@ -154,6 +160,11 @@ class _Analysis:
       rule = _RULES.get(e1.primitive, _first_order)
       outs = rule(self, e1, e2, ins, batches, invocation, invocation + (k,), calls)
       env.update(zip(e1.outvars, outs))
+      use = self.uses.get(invocation + (k,))
+      if use is not None and use.shifts is not None and use.shifts[:-1] == invocation:
+        biases.append(use)
+    if biases:
+      _note_sole_readers(jaxpr1, biases, self.uses)
     return [read(v) for v in jaxpr1.outvars]
 
   def mark(self, path):
@@ -163,6 +174,18 @@ class _Analysis:
   def add_use(self, path, use: _Use):
     self.uses[path] = use
     self.mark(path)
+
+
+def _note_sole_readers(jaxpr, biases, uses) -> None:
+  """Notes the biases (`_Use.sole`) that are the only reader of their layer's output
+  in `jaxpr`: its cotangent is then the bias add's, and one record site serves both."""
+  readers = collections.Counter(
+      v for v in (*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars)
+      if isinstance(v, jax.extend.core.Var))
+  for bias in biases:
+    (out,) = uses[bias.shifts].eqn.outvars
+    bias.sole = (readers[out] == 1 and out in bias.eqn.invars
+                 and out.aval.shape == bias.eqn.outvars[0].aval.shape)
 
 
 def _join(infos, batch=None) -> Info:
