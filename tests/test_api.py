@@ -112,7 +112,7 @@ def test_a_missing_module_below_oryx_is_named_with_its_pip_line():
     _compat.check_supported(probe=raising(ModuleNotFoundError("x", name="oryx.core")))
 
 
-@pytest.mark.parametrize("name", ["", None, 3, "a#gradlog:b"])
+@pytest.mark.parametrize("name", ["", None, 3, "a#gradlog:b", "a#gradlog&b"])
 def test_bad_names_are_rejected_with_the_api_named(name):
   with pytest.raises(ValueError, match=r"record_vjp\(name=.*a record name must be"):
     gl.record_vjp(lambda x: x, name=name)

@@ -97,6 +97,7 @@ _JOIN = "#gradlog&"
 
 
 def joined_name(names) -> str:
+  """The name of a `USE` site that records the uses `names` (`split_name` inverts it)."""
   return _JOIN.join(names)
 
 
