@@ -139,8 +139,8 @@ def _assert_same_final_state(out, reference):
                                atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-# 4 processes take ~1 minute on 2 cores: GRADLOG_SLOW_TESTS=all runs them (CI does,
-# on the newest JAX).
+# 4 processes take ~1 minute on 2 cores: GRADLOG_SLOW_TESTS=all or =others runs them
+# (CI: =others, on the newest JAX).
 @pytest.mark.parametrize("processes", [
     2, pytest.param(4, marks=(pytest.mark.slow, pytest.mark.many_processes))])
 def test_processes_log_one_run_equal_to_one_process(processes, tmp_path_factory):

@@ -313,7 +313,7 @@ def mark(tree: Any, *, name: str, tag: str, component: str, full: bool = False) 
 def mark_use(out: Any, primals: tuple, *, name: str, tag: str) -> Any:
   """Returns `out` unchanged, marked so that its cotangent is recorded with `primals`
   beside it: one site for the uses that `record_layers` found (one, or a layer and
-  its bias, named `joined_name` of theirs), whose records are `VJPRecord(primals[i],
+  its bias, named `joined_name` of theirs), whose records are `VJPRecord((primals[i],),
   output cotangent, None)` (`record_vjp(..., full=True)` takes two sites, and also
   records the input cotangents). Only `primals` are sown beside the shapes, not
   `out`."""
