@@ -127,7 +127,10 @@ def source_line(eqn: Any) -> str:
   """`file:line` of the user's code that made `eqn`, or `""` where JAX kept none."""
   try:
     from jax._src import source_info_util  # pylint: disable=g-import-not-at-top
-    frame = source_info_util.user_frame(eqn.source_info)
+    try:
+      frame = source_info_util.user_frame(eqn.source_info)
+    except AttributeError:  # Newer JAX (0.10) takes the SourceInfo's traceback.
+      frame = source_info_util.user_frame(eqn.source_info.traceback)
   except Exception:  # pylint: disable=broad-except
     return ""
   return f"{frame.file_name}:{frame.start_line}" if frame is not None else ""

@@ -922,6 +922,40 @@ def test_examples_mixed_after_the_last_use_is_an_error():
   assert gl.layer_coverage(loss, params, x).uncovered == ["w"]
 
 
+def test_a_loss_whose_structure_depends_on_the_batch_size_is_an_error():
+  """record_layers finds batch axes by tracing at B and 2B: a function that traces to
+  another program at 2B is refused, naming the API, both sizes, where, and the fix."""
+  def loss(p, x):
+    h = x @ p["w"]
+    if x.shape[0] <= B:  # Another program at batch 2B.
+      h = jnp.tanh(h)
+    return jnp.mean(h ** 2)
+  params, x = {"w": _normal(1, 3, 2)}, _normal(2, B, 3, scale=1.0)
+  message = (rf": the function traced differently at batch sizes {B} and {2 * B}: tanh "
+             rf"\(.*test_record_layers.py:\d+\) at batch {B}, integer_pow \(.*\) at "
+             rf"batch {2 * B}\. record_layers finds the batch axis by tracing at both sizes; "
+             r"make the function's structure independent of the batch size \(no Python "
+             r"branch on x.shape\[0\]\)\.")
+  with pytest.raises(ValueError, match="record_layers" + message):
+    gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+  with pytest.raises(ValueError, match="clipped_grad" + message):
+    gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
+
+  def scaled(p, x):  # One more equation, at the end, at batch B.
+    out = jnp.mean((x @ p["w"]) ** 2)
+    return 2.0 * out if x.shape[0] <= B else out
+  with pytest.raises(ValueError, match=rf"record_layers: the function traced differently "
+                     rf"at batch sizes {B} and {2 * B}: mul \(.*test_record_layers.py:\d+\) "
+                     rf"only at batch {B}\. "):
+    gl.reap(jax.grad(gl.record_layers(scaled)))(params, x)
+  # The same loss at a batch size whose two traces agree is recorded as plain JAX
+  # differentiates it.
+  x = _normal(3, 2 * B, 3, scale=1.0)
+  records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+  np.testing.assert_allclose(records["w"].out_cotangent,
+                             jax.grad(lambda h: jnp.mean(h ** 2))(x @ params["w"]), rtol=1e-6)
+
+
 def test_mismatched_batch_axis_is_an_error():
   example_losses, params, x, y = _mlp()
   loss = _batch_loss(example_losses)

@@ -57,9 +57,10 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
   except _TraceMismatch as error:
     raise ValueError(
         f"{api}: the function traced differently at batch sizes "
-        f"{signature.batch_size} and {2 * signature.batch_size} ({error.what}, at "
-        f"equation {error.path}). record_layers finds the batch axis by tracing at both "
-        "sizes; make the function's structure independent of the batch size.") from None
+        f"{signature.batch_size} and {2 * signature.batch_size}: {error}. "
+        "record_layers finds the batch axis by tracing at both sizes; make the "
+        "function's structure independent of the batch size (no Python branch on "
+        "x.shape[0]).") from None
   # A use whose output reaches the loss only through stop_gradient (a target from the
   # same weights, labels sampled from the model) has a zero cotangent: not a use.
   live_equations, live = _gradient_paths(closed.jaxpr, 0)

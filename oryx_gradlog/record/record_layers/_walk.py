@@ -119,11 +119,20 @@ class _Use:
 
 
 class _TraceMismatch(Exception):
-  """The traces at batch B and 2B differ in structure."""
+  """The traces at batch B and 2B differ in structure; its message says where."""
 
-  def __init__(self, path, what):
-    super().__init__(what)
-    self.path, self.what = path, what
+
+def _mismatch(jaxpr1, jaxpr2, batch_size: int) -> _TraceMismatch:
+  """Where the two traces part: their first equation that differs (with the user's
+  source line where JAX kept it), or the first one that only one of them has."""
+  for k, (e1, e2) in enumerate(zip(jaxpr1.eqns, jaxpr2.eqns)):
+    if e1.primitive is not e2.primitive or len(e1.outvars) != len(e2.outvars):
+      return _TraceMismatch(f"{_where(e1)} at batch {batch_size}, "
+                            f"{_where(e2)} at batch {2 * batch_size}")
+  k = min(len(jaxpr1.eqns), len(jaxpr2.eqns))
+  extra, size = ((jaxpr1.eqns[k], batch_size) if len(jaxpr1.eqns) > k
+                 else (jaxpr2.eqns[k], 2 * batch_size))
+  return _TraceMismatch(f"{_where(extra)} only at batch {size}")
 
 
 class _Analysis:
@@ -149,11 +158,11 @@ class _Analysis:
     env = dict(zip(jaxpr1.invars, in_infos))
     read = lambda v: _CONST if isinstance(v, jax.extend.core.Literal) else env.get(v, _CONST)
     if len(jaxpr1.eqns) != len(jaxpr2.eqns):
-      raise _TraceMismatch(invocation, f"{len(jaxpr1.eqns)} vs {len(jaxpr2.eqns)} equations")
+      raise _mismatch(jaxpr1, jaxpr2, self.batch_size)
     biases = []
     for k, (e1, e2) in enumerate(zip(jaxpr1.eqns, jaxpr2.eqns)):
       if e1.primitive is not e2.primitive or len(e1.outvars) != len(e2.outvars):
-        raise _TraceMismatch(invocation + (k,), f"{e1.primitive} vs {e2.primitive}")
+        raise _mismatch(jaxpr1, jaxpr2, self.batch_size)
       ins = [read(v) for v in e1.invars]
       batches = [_batch_axis(v1.aval, v2.aval, self.batch_size)
                  for v1, v2 in zip(e1.outvars, e2.outvars)]
