@@ -11,7 +11,10 @@ GRADLOG_SLOW_TESTS set (`SLOW_TESTS` below; CI: on the newest JAX, and the
 newcomer's checks on the default set).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 from importlib import metadata
 
 # Set before JAX starts its backends, and inherited by the tests' subprocesses: eight
@@ -30,6 +33,23 @@ XLA_TEST_FLAGS = {
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given] + [f"--{k}={v}" for k, v in XLA_TEST_FLAGS.items() if k not in _given]).strip()
+
+# JAX's persistent compilation cache, one folder per pytest run (made by the first
+# process that imports this file and inherited by the xdist workers and the tests'
+# subprocesses; removed by that process at exit): the suite compiles many programs
+# more than once (a benchmark variant for timing and again for its memory analysis,
+# a worker process launched again to resume, the same model in several tests). The
+# cache key is the whole program with its compile options and XLA flags, so a hit
+# runs what a compile would have given. JAX writes entries without a lock: an entry
+# cut short (a process killed while writing it) is read with a warning and compiled
+# again. A JAX_COMPILATION_CACHE_DIR already set is kept (GRADLOG_TEST_CACHE=0 turns
+# this off).
+if (os.environ.get("GRADLOG_TEST_CACHE", "1") != "0"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="gradlog-test-jax-cache-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax
 import numpy as np
