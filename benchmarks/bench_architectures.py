@@ -119,8 +119,9 @@ def model(name: str, batch: int, width: int, seed: int = 0):
     inputs = jax.random.normal(k_inputs, (batch, 32, 32, 3))
     for norm, key in zip(module.norms, jax.random.split(k_stats, len(module.norms))):
       k_mean, k_var = jax.random.split(key)
-      norm.mean.value = 0.1 * jax.random.normal(k_mean, norm.mean.value.shape)
-      norm.var.value = 1.0 + 0.5 * jax.random.uniform(k_var, norm.var.value.shape)
+      # New variables: `.value =` warns on Flax 0.12, and `[...] =` fails on 0.10.
+      norm.mean = nnx.BatchStat(0.1 * jax.random.normal(k_mean, (norm.num_features,)))
+      norm.var = nnx.BatchStat(1.0 + 0.5 * jax.random.uniform(k_var, (norm.num_features,)))
   else:
     module = (MoE(256, width, 8, rngs=rngs) if name == "moe"
               else Recurrent(256, width, rngs=rngs))
