@@ -12,6 +12,7 @@ newcomer's checks on the default set).
 """
 
 import atexit
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -111,3 +112,90 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
   for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
     assert np.shape(a) == np.shape(e), (np.shape(a), np.shape(e))
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+# How the tests' `record_layers` traces found their batch axes: from one trace
+# (`_propagate`) or from the second trace at 2B (its fallback).
+ONE_TRACE_COUNTS = {"one trace": 0, "second trace": 0}
+FALLBACK_REASONS: dict[str, int] = {}  # Why the second trace was needed, by message.
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_trace_checked():
+  """Every walk whose batch axes came from one trace is done again with the second
+  trace at 2B, and the two must agree: uses, their classes and batch axes, the
+  coupling, and the loss's info. (A function that does not trace at 2B, or traces
+  differently there, is only walked once.)"""
+  # pylint: disable-next=g-import-not-at-top
+  from oryx_gradlog.record.record_layers import _propagate, _transform
+  walk = _transform._walk
+
+  def checked(flat, closed, signature, kinds, names, one_trace=True):
+    analysis, outs = walk(flat, closed, signature, kinds, names, one_trace)
+    if analysis.propagation is None:
+      ONE_TRACE_COUNTS["second trace"] += 1
+      try:  # Why, for the summary.
+        _propagate.batch_axes(closed.jaxpr, [k == "batch" for k in kinds],
+                              signature.batch_size)
+        reason = "the walk met a value the rules did not reach"
+      except _propagate.Ambiguous as error:
+        reason = str(error)
+      FALLBACK_REASONS[reason] = FALLBACK_REASONS.get(reason, 0) + 1
+      return analysis, outs
+    ONE_TRACE_COUNTS["one trace"] += 1
+    try:
+      twin, twin_outs = walk(flat, closed, signature, kinds, names, one_trace=False)
+    except Exception:  # pylint: disable=broad-except
+      return analysis, outs  # Its structure depends on the batch size.
+    differ = [f"{path}: {use} != {twin.uses.get(path)}" for path, use in analysis.uses.items()
+              if _fields(twin.uses.get(path)) != _fields(use)]
+    differ += [f"{path}: only in the two-trace walk" for path in twin.uses
+               if path not in analysis.uses]
+    differ += [f"{field}: {getattr(analysis, field)} != {getattr(twin, field)}"
+               for field in ("coupling", "inline", "marked", "marked_names")
+               if getattr(analysis, field) != getattr(twin, field)]
+    if _fields(outs) != _fields(twin_outs):
+      differ.append(f"outputs: {outs} != {twin_outs}")
+    assert not differ, ("record_layers' batch axes from one trace differ from the two "
+                        "traces':\n" + "\n".join(differ))
+    return analysis, outs
+
+  _transform._walk = checked
+  yield
+  _transform._walk = walk
+
+
+def _fields(value):
+  """`value` with its dataclasses (a `Chain` compares by identity) as tuples of fields."""
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return (type(value),) + tuple(_fields(getattr(value, f.name))
+                                  for f in dataclasses.fields(value))
+  if isinstance(value, (tuple, list)):
+    return tuple(_fields(v) for v in value)
+  return value
+
+
+def pytest_sessionfinish(session):
+  output = getattr(session.config, "workeroutput", None)  # An xdist worker's.
+  if output is not None:
+    output["one_trace_counts"] = dict(ONE_TRACE_COUNTS)
+    output["fallback_reasons"] = dict(FALLBACK_REASONS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist's controller: a worker's counts.
+  del error
+  output = getattr(node, "workeroutput", {})
+  for key, n in output.get("one_trace_counts", {}).items():
+    ONE_TRACE_COUNTS[key] += n
+  for key, n in output.get("fallback_reasons", {}).items():
+    FALLBACK_REASONS[key] = FALLBACK_REASONS.get(key, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter):
+  if any(ONE_TRACE_COUNTS.values()):
+    terminalreporter.write_line(
+        "record_layers walks: " + ", ".join(f"{n} with batch axes from the {k}"
+                                            for k, n in ONE_TRACE_COUNTS.items()))
+    for reason, n in sorted(FALLBACK_REASONS.items(), key=lambda item: -item[1]):
+      terminalreporter.write_line(f"  second trace, {n} x: {reason}")

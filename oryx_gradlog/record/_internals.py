@@ -13,7 +13,7 @@ this module.
 | `jax.interpreters.ad.primitive_jvps`, `primitive_transposes`, `instantiate_zeros` | the sites' JVP and transpose rules | unchanged |
 | `jax.interpreters.batching.primitive_batchers`, `not_mapped` | the sites' batching rule | `not_mapped` is `None` from JAX 0.8 (`NOT_MAPPED`); `batching.moveaxis` and `broadcast` are not used (public `jnp` instead) |
 | `jax.interpreters.mlir.register_lowering` | sites lower to nothing | unchanged |
-| `scan_p`, `cond_p`, `while_p`, `remat_p`, `jit_p`, `call_p`, `closed_call_p` | keys of Oryx's reap-rule registry and of `record_layers`' walk and emitter | `jax._src.pjit.pjit_p` became `jax.extend.core.primitives.jit_p` (JAX 0.7) |
+| `scan_p`, `cond_p`, `while_p`, `remat_p`, `jit_p`, `call_p`, `closed_call_p` | keys of Oryx's reap-rule registry and of `record_layers`' walk, batch-axis rules and emitter | `jax._src.pjit.pjit_p` became `jax.extend.core.primitives.jit_p` (JAX 0.7) |
 | `jax._src.core.set_current_trace`, `take_current_trace`, `subjaxprs`, `jaxprs_in_params` | reap rules bind in the parent trace; skip sow-free bodies; reset the trace after an Oryx error | unchanged; binding with `bind` under `set_current_trace` avoids `bind_with_trace`, which takes avals from JAX 0.9 |
 | `jax._src.interpreters.partial_eval.dce_jaxpr` | `record_layers`' completeness check: which parameter leaves the loss depends on | unchanged |
 | `jax._src.ad_util.add_jaxvals_p` | the element-wise kind registers autodiff's `add_any` (`kinds/elementwise.py`) | unchanged |

@@ -26,11 +26,13 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from conftest import assert_trees_close
 from per_example import (
     assert_norms_close, assert_rel_err, check_clipped_grad, check_found, clip, found,
     median_clip, norms_of, path_name, per_example_grads)
 
 import oryx_gradlog as gl
+from oryx_gradlog.record import record_layers as record_layers_lib
 
 B = 4
 
@@ -922,27 +924,97 @@ def test_examples_mixed_after_the_last_use_is_an_error():
   assert gl.layer_coverage(loss, params, x).uncovered == ["w"]
 
 
-def test_a_loss_whose_structure_depends_on_the_batch_size_is_an_error():
-  """record_layers finds batch axes by tracing at B and 2B: a function that traces to
-  another program at 2B is refused, naming the API, both sizes, where, and the fix."""
-  def loss(p, x):
+def _one_trace(fun, params, *batch) -> bool:
+  """Whether record_layers found `fun`'s batch axes from its one trace at B."""
+  traced, _ = record_layers_lib.trace("record_layers", fun, (params, *batch), {}, 0, None)
+  return traced.analysis.propagation is not None
+
+
+def test_batch_axes_from_one_trace_and_the_second_trace_where_it_cannot_tell():
+  """The batch axes come from the one trace where a rule tells them: values made to
+  the batch's size (positions broadcast to the batch, an RNN's zero initial carry)
+  count once they meet the batch. The second trace at 2B is the fallback where one
+  trace cannot tell. Either way the records are plain JAX's (the recurrent model's
+  cotangents by the zero-perturbation trick; conftest also checks every walk of the
+  suite against the two-trace walk)."""
+  t, d = 3, 2
+  params = {"w": _normal(1, d, d), "u": _normal(2, d, d), "pos": _normal(3, t, d)}
+  x = _normal(4, B, t, d, scale=1.0)
+
+  def positions(p, x):  # Position ids made to the batch's size, gathered, then added.
+    ids = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+    return jnp.mean((x + p["pos"][ids]) @ p["w"]) ** 2
+
+  def recurrent(p, x):  # The carry starts as zeros of shape (len(x), d).
+    def cell(h, x_t):
+      h = jnp.tanh(x_t @ p["w"] + h @ p["u"])
+      return h, h
+    _, hs = lax.scan(cell, jnp.zeros((x.shape[0], d)), jnp.swapaxes(x, 0, 1))
+    return jnp.mean(hs ** 2)
+
+  def square_mask(p, x):  # A (B, B) made value: which axis is the batch's?
+    mask = jnp.tril(jnp.ones((x.shape[0], x.shape[0])))
+    return jnp.mean((x @ p["w"]) ** 2) + 0.0 * jnp.sum(mask)
+
+  def per_example_map(p, x):  # A scan over the batch.
+    return jnp.mean(lax.map(lambda xi: jnp.sum((xi @ p["w"]) ** 2), x))
+
+  def unconfirmed(p, x):  # Zeros of the batch's size that never meet the batch.
+    return jnp.mean((x @ p["w"]) ** 2) + jnp.sum(jnp.zeros(x.shape[0]))
+
+  assert _one_trace(positions, params, x) and _one_trace(recurrent, params, x)
+  for fun in (square_mask, per_example_map, unconfirmed):
+    assert not _one_trace(fun, params, x), fun.__name__
+  assert not _one_trace(positions, params, x[:1])  # A batch of one.
+
+  records = gl.reap(jax.grad(gl.record_layers(recurrent)))(params, x)
+  assert_trees_close(jax.grad(gl.record_layers(recurrent))(params, x),
+                     jax.grad(recurrent)(params, x))
+  # The cotangent of each step's `x_t @ w` (a tied use: steps first): the gradient
+  # of the loss with respect to zeros added to it.
+  def perturbed(eps):
+    def cell(h, inputs):
+      x_t, eps_t = inputs
+      h = jnp.tanh(x_t @ params["w"] + eps_t + h @ params["u"])
+      return h, h
+    return jnp.mean(lax.scan(cell, jnp.zeros((B, d)), (jnp.swapaxes(x, 0, 1), eps))[1] ** 2)
+  np.testing.assert_allclose(records["w"].out_cotangent,
+                             jax.grad(perturbed)(jnp.zeros((t, B, d))), rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_whose_structure_depends_on_the_batch_size():
+  """Where one trace tells the batch axes, a loss whose structure depends on the batch
+  size is recorded as it traces at this size. Where it cannot (a value made with two
+  axes of the batch's size), record_layers traces again at 2B, and a function that
+  traces to another program there is refused, naming the API, both sizes, where, and
+  the fix."""
+  def loss(p, x, ambiguous=False):
     h = x @ p["w"]
+    if ambiguous:  # Zeros of shape (B, B): which axis, if either, is the batch's?
+      h = h + jnp.sum(jnp.zeros((x.shape[0], x.shape[0])), axis=1, keepdims=True)
     if x.shape[0] <= B:  # Another program at batch 2B.
       h = jnp.tanh(h)
     return jnp.mean(h ** 2)
   params, x = {"w": _normal(1, 3, 2)}, _normal(2, B, 3, scale=1.0)
+  records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+  np.testing.assert_allclose(
+      records["w"].out_cotangent,
+      jax.grad(lambda h: jnp.mean(jnp.tanh(h) ** 2))(x @ params["w"]), rtol=1e-6)
+
+  ambiguous = functools.partial(loss, ambiguous=True)
   message = (rf": the function traced differently at batch sizes {B} and {2 * B}: tanh "
              rf"\(.*test_record_layers.py:\d+\) at batch {B}, integer_pow \(.*\) at "
              rf"batch {2 * B}\. record_layers finds the batch axis by tracing at both sizes; "
              r"make the function's structure independent of the batch size \(no Python "
              r"branch on x.shape\[0\]\)\.")
   with pytest.raises(ValueError, match="record_layers" + message):
-    gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+    gl.reap(jax.grad(gl.record_layers(ambiguous)))(params, x)
   with pytest.raises(ValueError, match="clipped_grad" + message):
-    gl.clipped_grad(loss, l2_norm_clip=1.0)(params, x)
+    gl.clipped_grad(ambiguous, l2_norm_clip=1.0)(params, x)
 
   def scaled(p, x):  # One more equation, at the end, at batch B.
-    out = jnp.mean((x @ p["w"]) ** 2)
+    zero = jnp.sum(jnp.zeros((x.shape[0], x.shape[0])))
+    out = jnp.mean((x @ p["w"]) ** 2) + zero
     return 2.0 * out if x.shape[0] <= B else out
   with pytest.raises(ValueError, match=rf"record_layers: the function traced differently "
                      rf"at batch sizes {B} and {2 * B}: mul \(.*test_record_layers.py:\d+\) "
@@ -951,7 +1023,7 @@ def test_a_loss_whose_structure_depends_on_the_batch_size_is_an_error():
   # The same loss at a batch size whose two traces agree is recorded as plain JAX
   # differentiates it.
   x = _normal(3, 2 * B, 3, scale=1.0)
-  records = gl.reap(jax.grad(gl.record_layers(loss)))(params, x)
+  records = gl.reap(jax.grad(gl.record_layers(ambiguous)))(params, x)
   np.testing.assert_allclose(records["w"].out_cotangent,
                              jax.grad(lambda h: jnp.mean(h ** 2))(x @ params["w"]), rtol=1e-6)
 

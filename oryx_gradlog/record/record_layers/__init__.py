@@ -6,12 +6,16 @@ axis, its other operands, and the cotangent of its output. `record_layers(fun)`
 finds these *uses* in the traced jaxpr of `fun` instead of asking the user to mark
 layers:
 
-1. `fun` is traced to a jaxpr (`jax.make_jaxpr`) at the batch size B of the call,
-   and once more at 2B. JAX has no notion of a batch axis; the second trace answers
-   the question shape polymorphism answers, without its restrictions: an axis that
-   doubles is a batch axis, of size `B * k` (k > 1: the batch merged with positions,
-   accepted only where a reshape keeps the batch the outer factor).
-2. One small interpreter walks both jaxprs in lockstep, with one rule per kind of
+1. `fun` is traced to a jaxpr (`jax.make_jaxpr`) at the batch size B of the call.
+   JAX has no notion of a batch axis: its batch axes are the axes that would double
+   at 2B, of size `B * k` (k > 1: the batch merged with positions, accepted only
+   where a reshape keeps the batch the outer factor). They are propagated from the
+   batch arguments' leading axes through the equations (`_propagate.py`), and
+   where that cannot tell (a value made with two axes of the batch's size, ...),
+   `fun` is traced once more at 2B and the axes that double are the batch's: the
+   question shape polymorphism answers, without its restrictions.
+2. One small interpreter walks the jaxpr (in lockstep with the one at 2B, where
+   there is one), with one rule per kind of
    equation kept in a table (`_RULES`), recursing into the bodies of `jit`, `scan`,
    `cond` and `remat` through the same table. Each value is classified: parameter
    (depends on parameters only), data (depends on the batch), or constant. A value
@@ -43,8 +47,9 @@ Record names are parameter paths (`blocks.0.attn.query.kernel`), with `@2`, `@3`
 `+` joining the paths of a use that combines several parameters (LoRA).
 
 Sharp edges:
-  * `fun` is traced twice per input signature (B and 2B): code whose structure
-    depends on the batch size is an error. Traces are cached per shapes and dtypes.
+  * `fun` is traced once per input signature, or twice (B and 2B) where one trace
+    cannot tell its batch axes; then code whose structure depends on the batch size
+    is an error. Traces are cached per shapes and dtypes.
   * The batch is the leading axis of every leaf of the batch arguments (default:
     every positional argument not in `argnums`); all must have the same size.
   * A parameter that meets data with no batch axis (a weight-decay term added to
@@ -72,7 +77,8 @@ Sharp edges:
     use of its parameters.
 
 The package, one concept a module: `_spec.py` (what a record says about its use),
-`_walk.py` (the classifying interpreter and its rule table), `_emit.py` (the jaxpr
+`_propagate.py` (batch axes from one trace), `_walk.py` (the classifying interpreter
+and its rule table), `_emit.py` (the jaxpr
 evaluated again with the uses recorded), `_signature.py` (the call's parameters and
 batch), `_transform.py` (`record_layers` itself). The kinds of use are in
 `oryx_gradlog/record/kinds/`: adding one is one module there and one table entry.

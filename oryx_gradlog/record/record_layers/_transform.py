@@ -1,6 +1,7 @@
 """The transformation: `record_layers(fun)`, traced once per input signature.
 
-`trace` traces `fun` at B and 2B, walks it (`_walk.py`), checks completeness (every
+`trace` traces `fun` at B (and at 2B where one trace does not tell its batch axes,
+`_propagate.py`), walks it (`_walk.py`), checks completeness (every
 parameter leaf the loss depends on has a use), names the uses by parameter path and
 caches all of it per signature; the returned function re-emits the jaxpr with the
 uses recorded (`_emit.py`).
@@ -25,35 +26,24 @@ from oryx_gradlog.record._sites import DEFAULT_TAG
 from oryx_gradlog.record.record_layers._emit import _Emitter
 from oryx_gradlog.record.record_layers._signature import Signature, Traced
 from oryx_gradlog.record.record_layers._spec import Lineage, ParamTree, UseSpec
+from oryx_gradlog.record.record_layers import _propagate
 from oryx_gradlog.record.record_layers._walk import (
-    _CONST, Info, _Analysis, _TraceMismatch, _batch_axis, _where)
+    _CONST, Info, _Analysis, _TraceMismatch, _where)
 
 
 def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
           cache: dict | None = None) -> tuple[Traced, Signature]:
-  """Traces `fun` at B and 2B, analyses it and names its uses."""
+  """Traces `fun` at B (and 2B where needed), analyses it and names its uses."""
   signature = Signature(api, args, kwargs, argnums, batch_argnums)
   key = signature.key()
   if cache is not None and key in cache:
     return cache[key], signature
   flat = signature.flat_fun(fun)
   closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*signature.specs(1))
-  closed2 = jax.make_jaxpr(flat)(*signature.specs(2))
   dynamic_kinds = [k for k in signature.kinds if k != "static"]
   dynamic_names = [n for n, k in zip(signature.names, signature.kinds) if k != "static"]
-  analysis = _Analysis(signature.batch_size)
-  ins = []
-  for i, (kind, name, var, var2) in enumerate(zip(
-      dynamic_kinds, dynamic_names, closed.jaxpr.invars, closed2.jaxpr.invars)):
-    if kind == "param":
-      ins.append(Info(params=frozenset({i}), lineage=Lineage(i, name)))
-    elif kind == "batch":
-      ins.append(Info(data=True, batch=_batch_axis(var.aval, var2.aval,
-                                                   signature.batch_size)))
-    else:
-      ins.append(_CONST)
   try:
-    outs = analysis.run(closed.jaxpr, closed2.jaxpr, ins)
+    analysis, outs = _walk(flat, closed, signature, dynamic_kinds, dynamic_names)
   except _TraceMismatch as error:
     raise ValueError(
         f"{api}: the function traced differently at batch sizes "
@@ -85,6 +75,32 @@ def trace(api: str, fun: Callable, args, kwargs, argnums, batch_argnums,
   if cache is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
     cache[key] = traced
   return traced, signature
+
+
+def _walk(flat, closed, signature: Signature, kinds, names, one_trace: bool = True):
+  """The walk of `closed` (at batch B) and the infos of its outputs, with batch axes
+  propagated from the one trace (`_propagate`) where it tells them, else from a
+  second trace at 2B (`one_trace=False`: always)."""
+  def walk(propagation, twin):
+    analysis = _Analysis(signature.batch_size, propagation)
+    ins = []
+    for i, (kind, name, var, var2) in enumerate(zip(
+        kinds, names, closed.jaxpr.invars, twin.jaxpr.invars)):
+      if kind == "param":
+        ins.append(Info(params=frozenset({i}), lineage=Lineage(i, name)))
+      elif kind == "batch":
+        ins.append(Info(data=True, batch=analysis.batch((), var, var2)))
+      else:
+        ins.append(_CONST)
+    return analysis, analysis.run(closed.jaxpr, twin.jaxpr, ins)
+
+  if one_trace:
+    try:
+      return walk(_propagate.batch_axes(closed.jaxpr, [k == "batch" for k in kinds],
+                                        signature.batch_size), closed)
+    except _propagate.Ambiguous:
+      pass
+  return walk(None, jax.make_jaxpr(flat)(*signature.specs(2)))
 
 
 def _gradient_paths(jaxpr, output: int) -> tuple[set[int], set]:

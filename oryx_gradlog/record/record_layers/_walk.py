@@ -1,4 +1,5 @@
-"""The classifying walk: one interpreter over the jaxprs at batch B and 2B in lockstep.
+"""The classifying walk: one interpreter over the jaxpr at batch B (in lockstep with
+the one at 2B where one trace did not tell the batch axes).
 
 Each value is classified (parameter, data, constant; its batch axis; its lineage
 back to a parameter leaf; the use whose output it is) by one rule per kind of
@@ -14,8 +15,9 @@ one operation (`_first_order`): a parameter entering a `custom_vjp` or a
 `while_loop` with a batched output is a generic use of the whole call.
 
 Sharp edges:
-  * An axis that doubles from the first trace to the second is a batch axis; code
-    whose structure depends on the batch size is an error (`_TraceMismatch`).
+  * A batch axis is one that doubles at 2B: propagated from one trace
+    (`_propagate`), or read from the second trace, where code whose structure
+    depends on the batch size is an error (`_TraceMismatch`).
 """
 
 from __future__ import annotations
@@ -136,15 +138,18 @@ def _mismatch(jaxpr1, jaxpr2, batch_size: int) -> _TraceMismatch:
 
 
 class _Analysis:
-  """Walks the jaxprs at batch B and 2B in lockstep, classifies values, finds uses.
+  """Walks the jaxpr at batch B (and its twin at 2B, or itself where the batch axes
+  come from one trace), classifies values, finds uses.
 
   Equations are identified by their path: indices of the equation and of the
   enclosing equations (and cond branches), outermost first, which is also how the
   interpreter finds them. The path of a body's invocation is that of its equation.
   """
 
-  def __init__(self, batch_size: int):
+  def __init__(self, batch_size: int, propagation=None):
     self.batch_size = batch_size
+    # The batch axes from one trace (`_propagate`), or `None`: from the two traces.
+    self.propagation = propagation
     self.uses: dict[tuple, _Use] = {}
     self.inline: set[tuple] = set()  # Equations with uses or chains inside.
     self.coupling = ""  # Where examples are first mixed, if anywhere.
@@ -164,8 +169,7 @@ class _Analysis:
       if e1.primitive is not e2.primitive or len(e1.outvars) != len(e2.outvars):
         raise _mismatch(jaxpr1, jaxpr2, self.batch_size)
       ins = [read(v) for v in e1.invars]
-      batches = [_batch_axis(v1.aval, v2.aval, self.batch_size)
-                 for v1, v2 in zip(e1.outvars, e2.outvars)]
+      batches = [self.batch(invocation, v1, v2) for v1, v2 in zip(e1.outvars, e2.outvars)]
       rule = _RULES.get(e1.primitive, _first_order)
       outs = rule(self, e1, e2, ins, batches, invocation, invocation + (k,), calls)
       env.update(zip(e1.outvars, outs))
@@ -175,6 +179,12 @@ class _Analysis:
     if biases:
       _note_sole_readers(jaxpr1, biases, self.uses)
     return [read(v) for v in jaxpr1.outvars]
+
+  def batch(self, invocation, v1, v2):
+    """The batch axis of `v1` (of the jaxpr at `invocation`); `v2` is its twin at 2B."""
+    if self.propagation is not None:
+      return self.propagation.batch_of(invocation, v1)
+    return _batch_axis(v1.aval, v2.aval, self.batch_size)
 
   def mark(self, path):
     for i in range(1, len(path)):
@@ -398,7 +408,7 @@ def _scan(analysis, eqn, eqn2, ins, batches, invocation, path, calls):
 
   def body_infos(infos):  # Batch axes inside the body, from its own shapes.
     return [dataclasses.replace(
-        i, batch=_batch_axis(v1.aval, v2.aval, analysis.batch_size))
+        i, batch=analysis.batch(path, v1, v2))
         for i, v1, v2 in zip(infos, body1.invars, body2.invars)]
 
   for _ in range(len(carry) + 2):  # The carry's classes are a fixed point of the body.
