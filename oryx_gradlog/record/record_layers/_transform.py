@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from oryx_gradlog.record import _internals
 from oryx_gradlog.record._kinds import LOSS_MIXES_EXAMPLES, UNSUPPORTED
 from oryx_gradlog.record._sites import DEFAULT_TAG
+from oryx_gradlog.record.record_layers import _propagate
 from oryx_gradlog.record.record_layers._emit import _Emitter
 from oryx_gradlog.record.record_layers._signature import Signature, Traced
 from oryx_gradlog.record.record_layers._spec import Lineage, ParamTree, UseSpec
-from oryx_gradlog.record.record_layers import _propagate
 from oryx_gradlog.record.record_layers._walk import (
     _CONST, Info, _Analysis, _TraceMismatch, _where)
 
