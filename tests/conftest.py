@@ -12,6 +12,7 @@ newcomer's checks on the default set).
 """
 
 import atexit
+import collections
 import dataclasses
 import os
 import shutil
@@ -114,10 +115,10 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
-# How the tests' `record_layers` traces found their batch axes: from one trace
-# (`_propagate`) or from the second trace at 2B (its fallback).
-ONE_TRACE_COUNTS = {"one trace": 0, "second trace": 0}
-FALLBACK_REASONS: dict[str, int] = {}  # Why the second trace was needed, by message.
+# How the tests' `record_layers` walks found their batch axes: from one trace
+# (`_propagate`), or from the second trace at 2B (its fallback), by why.
+ONE_TRACE = "one trace"
+WALKS: collections.Counter = collections.Counter()
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -133,16 +134,15 @@ def _one_trace_checked():
   def checked(flat, closed, signature, kinds, names, one_trace=True):
     analysis, outs = walk(flat, closed, signature, kinds, names, one_trace)
     if analysis.propagation is None:
-      ONE_TRACE_COUNTS["second trace"] += 1
       try:  # Why, for the summary.
         _propagate.batch_axes(closed.jaxpr, [k == "batch" for k in kinds],
                               signature.batch_size)
         reason = "the walk met a value the rules did not reach"
       except _propagate.Ambiguous as error:
         reason = str(error)
-      FALLBACK_REASONS[reason] = FALLBACK_REASONS.get(reason, 0) + 1
+      WALKS[reason] += 1
       return analysis, outs
-    ONE_TRACE_COUNTS["one trace"] += 1
+    WALKS[ONE_TRACE] += 1
     try:
       twin, twin_outs = walk(flat, closed, signature, kinds, names, one_trace=False)
     except Exception:  # pylint: disable=broad-except
@@ -178,24 +178,20 @@ def _fields(value):
 def pytest_sessionfinish(session):
   output = getattr(session.config, "workeroutput", None)  # An xdist worker's.
   if output is not None:
-    output["one_trace_counts"] = dict(ONE_TRACE_COUNTS)
-    output["fallback_reasons"] = dict(FALLBACK_REASONS)
+    output["record_layers_walks"] = dict(WALKS)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):  # xdist's controller: a worker's counts.
   del error
-  output = getattr(node, "workeroutput", {})
-  for key, n in output.get("one_trace_counts", {}).items():
-    ONE_TRACE_COUNTS[key] += n
-  for key, n in output.get("fallback_reasons", {}).items():
-    FALLBACK_REASONS[key] = FALLBACK_REASONS.get(key, 0) + n
+  WALKS.update(getattr(node, "workeroutput", {}).get("record_layers_walks", {}))
 
 
 def pytest_terminal_summary(terminalreporter):
-  if any(ONE_TRACE_COUNTS.values()):
+  if WALKS:
+    fallbacks = [(reason, n) for reason, n in WALKS.most_common() if reason != ONE_TRACE]
     terminalreporter.write_line(
-        "record_layers walks: " + ", ".join(f"{n} with batch axes from the {k}"
-                                            for k, n in ONE_TRACE_COUNTS.items()))
-    for reason, n in sorted(FALLBACK_REASONS.items(), key=lambda item: -item[1]):
+        f"record_layers walks: {WALKS[ONE_TRACE]} with batch axes from the one trace, "
+        f"{sum(n for _, n in fallbacks)} with batch axes from the second trace")
+    for reason, n in fallbacks:
       terminalreporter.write_line(f"  second trace, {n} x: {reason}")

@@ -123,6 +123,12 @@ class Propagation:
       return DATA
     return frozenset().union(*scaled)
 
+  def join(self, states: Sequence[tuple], shape: tuple) -> tuple:
+    """The state of a value of `shape` that values with `states` (of that shape) are
+    at once: each axis unified (`unify`)."""
+    return tuple(self.unify(list(axis)) if n > 1 else None
+                 for axis, n in zip(zip(*states), shape))
+
   def made(self, state: list, shape: tuple, made_axes, key) -> tuple:
     """`state` with the axes `made_axes` (made, not carried) filled in: unscaled,
     or a guess where exactly one has the batch's size and nothing else is scaled."""
@@ -130,7 +136,7 @@ class Propagation:
     for a in made_axes:
       state[a] = None
     if candidates:
-      if len(candidates) > 1 or any(s is not None for s in state):
+      if len(candidates) > 1 or _scaled(state):
         raise Ambiguous("a made axis that may be the batch's")
       self.guesses.add(key)
       state[candidates[0]] = frozenset({key})
@@ -215,15 +221,13 @@ def _squeeze(p, eqn, ins, path):
 
 def _same_shape(p, eqn, ins, path):
   """Operands of one shape, outputs of that shape (sorts, cumulative sums)."""
-  state = tuple(p.unify(list(axis)) if _shape(eqn.invars[0])[a] > 1 else None
-                for a, axis in enumerate(zip(*ins)))
-  return [state] * len(eqn.outvars)
+  return [p.join(ins, _shape(eqn.invars[0]))] * len(eqn.outvars)
 
 
-def _resized(p, eqn, ins, path, operand: int = 0):
+def _resized(p, eqn, ins, path):
   """Outputs of the operand's rank, an axis kept where its size is unchanged and
   made where it changed (slices, pads, dynamic slices, `top_k`)."""
-  state, in_shape = ins[operand], _shape(eqn.invars[operand])
+  state, in_shape = ins[0], _shape(eqn.invars[0])
   outs = []
   for k, v in enumerate(eqn.outvars):
     shape = _shape(v)
@@ -376,8 +380,7 @@ def _opaque_call(p, eqn, ins, path):
 def _cond(p, eqn, ins, path):
   outs = [p.run(branch.jaxpr, ins[1:], path + (b,))
           for b, branch in enumerate(eqn.params["branches"])]
-  return [tuple(p.unify(list(axis)) if n > 1 else None
-                for axis, n in zip(zip(*branch_states), _shape(v)))
+  return [p.join(branch_states, _shape(v))
           for branch_states, v in zip(zip(*outs), eqn.outvars)]
 
 
@@ -391,8 +394,7 @@ def _scan(p, eqn, ins, path):
   sizes = [_shape(v) for v in eqn.invars[n_consts:n_consts + n_carry]]
   for _ in range(n_carry + 2):  # The carry's batch axes are a fixed point of the body.
     outs = p.run(body, [*consts, *carry, *(s[1:] for s in xs)], path)
-    new = [tuple(p.unify([c, o]) if n > 1 else None for c, o, n in zip(cs, os, shape))
-           for cs, os, shape in zip(carry, outs[:n_carry], sizes)]
+    new = [p.join([c, o], shape) for c, o, shape in zip(carry, outs[:n_carry], sizes)]
     if new == carry:
       break
     carry = new
