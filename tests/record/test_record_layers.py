@@ -204,6 +204,19 @@ for _name in CONVS:
 
 
 @model
+def conv_frames_merged_into_the_batch():
+  """Each example's two frames in the convolution's batch axis `(B * 2, ...)`,
+  examples outer: its kernel gradient sums over both frames' positions."""
+  def per_example(p, frames):
+    x = frames.reshape(-1, *frames.shape[2:])
+    y = lax.conv_general_dilated(x, p["kernel"], (2, 1), ((1, 0), (1, 1)),
+                                 rhs_dilation=(1, 2), feature_group_count=2,
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return _sq(y.reshape(frames.shape[0], -1))
+  return per_example, {"kernel": _normal(1, 2, 2, 2, 6)}, (_normal(2, B, 2, 5, 6, 4, scale=1.0),)
+
+
+@model
 def embed_index_repeated_ids():
   def per_example(p, ids):
     return _sq(p["table"][ids])

@@ -3,15 +3,30 @@
 A dense layer over the patches of its input (`jax.lax.conv_general_dilated_patches`),
 one position per output pixel; feature groups are independent dense layers. The
 batch is the input's N axis (possibly merged with other axes, examples outer).
-Example i's gradient is the vjp of the convolution of example i's slice alone.
+Example i's kernel gradient is formed as one batched product per kernel offset,
+`sum_t x_i[t * stride + offset] g_i[t]` over the output positions `t`: the input's
+strided window at that offset against the cotangent. `vmap` of the convolution's
+vjp (what `jax.vmap(jax.grad(...))` forms) is a convolution grouped by example,
+which XLA's CPU backend runs 1.3-3x slower than these products (3x3 kernels on
+32 x 32 to 8 x 8 images, JAX 0.5.0 and 0.10.2; `benchmarks/RESULTS.md`, workload 14).
+
+Sharp edges:
+  * The windows are copies: `prod(kernel)` of them, each the input's channels at the
+    output's positions, as many floats as the patches; XLA may hold them all at once
+    (workload 14's conv net, JAX 0.5.0: 25 MiB of temporaries against the `vmap`
+    clip's 19; 0.10.2: 35 against 27).
+  * Measured on CPU only; on an accelerator the grouped convolution may be the
+    faster form.
 """
+
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from oryx_gradlog.record._canonical import LayerView, conv_patches, finish, fold_tied
-from oryx_gradlog.record._canonical import moveaxis_batch
 from oryx_gradlog.record._kinds import CONV, DENSE
 from oryx_gradlog.record.kinds import Kind, register, view_cost
 
@@ -36,24 +51,11 @@ class Conv(Kind):
     return (eqn.params["dimension_numbers"].out_spec[1],)
 
   def per_example(self, use) -> tuple:
-    """The vjp of each example's own slice of the batch."""
-
-    def sliced(operands, g, _):
-      axis, factor = use.spec.batch[0]
-      x = moveaxis_batch(operands[0], 0, axis, factor)  # (B, k, ...)
-      out_axis, _ = use.spec.out_batch
-      gg = moveaxis_batch(g, 0, out_axis, factor)
-      w = operands[1]
-
-      def one(x_i, g_i):
-        x_i = jnp.moveaxis(x_i, 0, axis)
-        g_i = jnp.moveaxis(g_i, 0, out_axis)
-        _, vjp = jax.vjp(lambda w: use.spec.apply([x_i, w]), w)
-        return vjp(g_i)[0]
-
-      return jax.vmap(one)(x, gg)
-
-    return (use.per_call(sliced),)
+    """Each example's kernel gradient, one batched product per kernel offset."""
+    _, factor = use.spec.batch[0]
+    params = use.spec.params
+    return (use.per_call(
+        lambda operands, g, _: by_offsets(operands[0], g, operands[1], factor, params)),)
 
   def view(self, use) -> LayerView:
     """Patches `(S, B, T, d_in)` and cotangents `(S, B, T, d_out)`, T output pixels."""
@@ -72,6 +74,42 @@ class Conv(Kind):
 
   def cost(self, use, method: str) -> tuple[str, int, int]:
     return view_cost(use.view(), method) or super().cost(use, method)
+
+
+def by_offsets(x, g, w, factor, params):
+  """`(B, *w.shape)`: per example, the kernel gradient `sum_t x[t * s + o] g[t]` of a
+  `conv_general_dilated` of `x` with `w` and these `params`, one product per kernel
+  offset `o`.
+
+  `x` is the input and `g` the output's cotangent in the convolution's layouts, their
+  batch axes of size `B * factor` (examples outer). Feature groups are independent
+  products; input dilation is interior padding of the input; kernel dilation spaces
+  the offsets.
+  """
+  dn = params["dimension_numbers"]
+  lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+  x = jnp.transpose(x, (lhs[0], *lhs[2:], lhs[1]))  # (N, *spatial, C_in)
+  g = jnp.transpose(g, (out[0], *out[2:], out[1]))  # (N, *positions, C_out)
+  x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), *(
+      (lo, hi, d - 1) for (lo, hi), d in zip(params["padding"], params["lhs_dilation"])),
+      (0, 0, 0)])
+  n, positions, c_in, c_out = x.shape[0], g.shape[1:-1], x.shape[-1], g.shape[-1]
+  groups, strides = params["feature_group_count"], params["window_strides"]
+  batch, count = n // factor, math.prod(positions) * factor  # Examples outer in N.
+  g = g.reshape(batch, count, groups, c_out // groups)
+  kernel = tuple(w.shape[a] for a in rhs[2:])
+  products = []
+  for offset in itertools.product(*map(range, kernel)):
+    start = [o * d for o, d in zip(offset, params["rhs_dilation"])]
+    limit = [s + (t - 1) * st + 1 for s, t, st in zip(start, positions, strides)]
+    window = lax.slice(x, (0, *start, 0), (n, *limit, c_in), (1, *strides, 1))
+    window = window.reshape(batch, count, groups, c_in // groups)
+    products.append(jnp.einsum("btgc,btgo->bgco", window, g, precision=params["precision"]))
+  # (B, *kernel, groups, C_in / groups, C_out / groups) -> (B, *kernel, C_in / groups, C_out)
+  grads = jnp.stack(products, 1).reshape(batch, *kernel, groups, c_in // groups, -1)
+  grads = jnp.moveaxis(grads, 1 + len(kernel), -2).reshape(batch, *kernel, -1, c_out)
+  axis = {rhs[1]: len(kernel), rhs[0]: len(kernel) + 1, **{a: i for i, a in enumerate(rhs[2:])}}
+  return jnp.transpose(grads, (0, *(1 + axis[a] for a in range(w.ndim)))).astype(w.dtype)
 
 
 KIND = register(Conv())
