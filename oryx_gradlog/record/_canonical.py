@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -133,34 +134,57 @@ def fold_tied(x, g, stack, tied_calls):
   return fold_one(x), fold_one(g), keep
 
 
+def conv_windows(x, filter_shape, options):
+  """Per kernel offset (row-major), the input's window that meets it, `(N, *positions, C)`.
+
+  `x` is a convolution's input laid out channels last, `(N, *spatial, C)`; `options`
+  its `window_strides`, `padding` (pairs or a string) and `lhs_dilation`,
+  `rhs_dilation` (`None` for none). Input dilation is interior padding of `x`, kernel
+  dilation spaces the offsets; each window is a strided slice, a copy of the input's
+  channels at the output's positions.
+  """
+  rank = len(filter_shape)
+  lhs = options.get("lhs_dilation") or (1,) * rank
+  rhs = options.get("rhs_dilation") or (1,) * rank
+  strides, padding = options["window_strides"], options["padding"]
+  window = [(k - 1) * d + 1 for k, d in zip(filter_shape, rhs)]
+  if isinstance(padding, str):
+    dilated = [(s - 1) * d + 1 for s, d in zip(x.shape[1:-1], lhs)]
+    padding = lax.padtype_to_pads(dilated, window, strides, padding)
+  x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), *(
+      (lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs)), (0, 0, 0)])
+  positions = [(s - w) // st + 1 for s, w, st in zip(x.shape[1:-1], window, strides)]
+  for offset in itertools.product(*map(range, filter_shape)):
+    start = [o * d for o, d in zip(offset, rhs)]
+    limit = [s + (t - 1) * st + 1 for s, t, st in zip(start, positions, strides)]
+    yield lax.slice(x, (0, *start, 0), (x.shape[0], *limit, x.shape[-1]), (1, *strides, 1))
+
+
 def conv_patches(x, w_shape, g, spec, options, n, lead):
   """Patches of the input and cotangents per output pixel, `(S, B, T, d)`.
 
   `x` is `(*calls, *lead axes, C and spatial axes...)` laid out by `spec` over its
   last axes; the first lead axis is the example axis (the rest, and the conv's own N
   axis, count as positions). For a found convolution `lead` is 1 and N holds the
-  batch (of size `B * k` where k examples... are merged).
+  batch (of size `B * k` where k examples... are merged). A patch's features are
+  channel-major, as `lax.conv_general_dilated_patches`' (formed here by slices,
+  `conv_windows`: that function's convolution with a one-hot kernel multiplies by
+  each of the `C x prod(kernel)` features).
   """
-  rank = len(w_shape)
   m = n + lead - 1  # Axes before the conv's own N axis.
   x = jnp.transpose(x, tuple(range(m)) + tuple(m + a for a in spec.lhs_spec))
   g = jnp.transpose(g, tuple(range(m)) + tuple(m + a for a in spec.out_spec))
   filter_shape = tuple(w_shape[a] for a in spec.rhs_spec[2:])
-  canonical = ("NC" + "HWDXYZ"[:rank - 2], "OI" + "HWDXYZ"[:rank - 2],
-               "NC" + "HWDXYZ"[:rank - 2])
-  patches = lax.conv_general_dilated_patches(
-      x.reshape((-1,) + x.shape[m + 1:]), filter_shape, options["window_strides"],
-      options["padding"], options["lhs_dilation"], options["rhs_dilation"],
-      canonical, precision=HIGHEST)
-  if patches.shape[2:] != g.shape[m + 2:]:
+  channels_last = jnp.moveaxis(x.reshape((-1,) + x.shape[m + 1:]), 1, -1)
+  # (N, *positions, C, prod(kernel)): channel-major features.
+  patches = jnp.stack(list(conv_windows(channels_last, filter_shape, options)), -1)
+  if patches.shape[1:-2] != g.shape[m + 2:]:
     raise ValueError(
-        f"the patches of a convolution's input have spatial shape {patches.shape[2:]} "
+        f"the patches of a convolution's input have spatial shape {patches.shape[1:-2]} "
         f"but its output cotangent has {g.shape[m + 2:]}.")
-  stack = x.shape[:n]
-  size = math.prod(stack)
+  size = math.prod(x.shape[:n])
   batch = x.shape[n] if lead > 1 else x.shape[n] // options.get("merged", 1)
-  patches = patches.reshape(patches.shape[:2] + (-1,))
-  patches = jnp.swapaxes(patches, 1, 2).reshape(size, batch, -1, patches.shape[1])
+  patches = patches.reshape(size, batch, -1, patches.shape[-2] * patches.shape[-1])
   g = g.reshape(g.shape[:m + 2] + (-1,))
   g = jnp.swapaxes(g, -1, -2).reshape(size, batch, -1, g.shape[m + 1])
   return patches, g

@@ -529,7 +529,8 @@ def test_sum_loss(name):
 
 
 METHOD_MODELS = ["attention_3d_kernels", "dot_general_batch_dims_per_head",
-                 "conv_feature_groups", "embed_index_repeated_ids",
+                 "conv_feature_groups", "conv_frames_merged_into_the_batch",
+                 "embed_index_repeated_ids",
                  "embed_vocabulary_on_the_last_axis",
                  "scan_over_stacked_layers_with_views", "rnn_scan_with_a_tied_cell"]
 
@@ -577,6 +578,31 @@ def test_clipping_counts_the_reweighted_sum_and_reuses_formed_gradients():
   result = check_found(_batch_loss(per_example), params, x)
   assert result.norms.method == {"w": "gram", "b": "materialized", "v": "gram"}
   check_clipped_grad(_batch_loss(per_example), params, x)
+
+
+@pytest.mark.parametrize("spatial, kernel, strides, padding, lhs_dilation, rhs_dilation", [
+    ((9, 8), (3, 3), (1, 1), "SAME", None, None),
+    ((9, 8), (3, 2), (2, 3), ((1, 2), (0, -1)), (1, 1), (2, 1)),
+    ((7, 6), (2, 3), (1, 2), ((1, 0), (2, 1)), (2, 1), (1, 2)),
+    ((7, 6), (3, 3), (2, 1), "SAME", None, (2, 1)),
+    ((11,), (4,), (1,), ((3, 0),), None, None),
+    ((5, 4, 6), (2, 2, 3), (1, 2, 1), "VALID", None, None),
+])
+def test_conv_patches_are_jaxs(spatial, kernel, strides, padding, lhs_dilation,
+                               rhs_dilation):
+  """A convolution's patches (the windows of its kernel's offsets, stacked
+  channel-major) are `lax.conv_general_dilated_patches`', element for element."""
+  from oryx_gradlog.record import _canonical  # pylint: disable=g-import-not-at-top
+  x = _normal(1, 2, 3, *spatial, scale=1.0)  # (N, C, *spatial)
+  expected = lax.conv_general_dilated_patches(
+      x, kernel, strides, padding, lhs_dilation, rhs_dilation,
+      precision=lax.Precision.HIGHEST)
+  options = dict(window_strides=strides, padding=padding, lhs_dilation=lhs_dilation,
+                 rhs_dilation=rhs_dilation)
+  windows = _canonical.conv_windows(jnp.moveaxis(x, 1, -1), kernel, options)
+  patches = jnp.stack(list(windows), -1)  # (N, *positions, C, prod(kernel))
+  patches = jnp.moveaxis(patches.reshape(patches.shape[:-2] + (-1,)), -1, 1)
+  np.testing.assert_array_equal(patches, expected)
 
 
 def test_parameter_cast_from_bfloat16():

@@ -1,8 +1,9 @@
 """The convolution kind: a `conv_general_dilated` of a batched input with a kernel.
 
-A dense layer over the patches of its input (`jax.lax.conv_general_dilated_patches`),
-one position per output pixel; feature groups are independent dense layers. The
-batch is the input's N axis (possibly merged with other axes, examples outer).
+A dense layer over the patches of its input (strided slices, in the feature order of
+`jax.lax.conv_general_dilated_patches`), one position per output pixel; feature
+groups are independent dense layers. The batch is the input's N axis (possibly
+merged with other axes, examples outer).
 Example i's kernel gradient is formed as one batched product per kernel offset,
 `sum_t x_i[t * stride + offset] g_i[t]` over the output positions `t`: the input's
 strided window at that offset against the cotangent. `vmap` of the convolution's
@@ -19,14 +20,14 @@ Sharp edges:
     faster form.
 """
 
-import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oryx_gradlog.record._canonical import LayerView, conv_patches, finish, fold_tied
+from oryx_gradlog.record._canonical import LayerView, conv_patches, conv_windows, finish
+from oryx_gradlog.record._canonical import fold_tied
 from oryx_gradlog.record._kinds import CONV, DENSE
 from oryx_gradlog.record.kinds import Kind, register, view_cost
 
@@ -90,21 +91,15 @@ def by_offsets(x, g, w, factor, params):
   lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
   x = jnp.transpose(x, (lhs[0], *lhs[2:], lhs[1]))  # (N, *spatial, C_in)
   g = jnp.transpose(g, (out[0], *out[2:], out[1]))  # (N, *positions, C_out)
-  x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0), *(
-      (lo, hi, d - 1) for (lo, hi), d in zip(params["padding"], params["lhs_dilation"])),
-      (0, 0, 0)])
   n, positions, c_in, c_out = x.shape[0], g.shape[1:-1], x.shape[-1], g.shape[-1]
-  groups, strides = params["feature_group_count"], params["window_strides"]
+  groups = params["feature_group_count"]
   batch, count = n // factor, math.prod(positions) * factor  # Examples outer in N.
   g = g.reshape(batch, count, groups, c_out // groups)
   kernel = tuple(w.shape[a] for a in rhs[2:])
-  products = []
-  for offset in itertools.product(*map(range, kernel)):
-    start = [o * d for o, d in zip(offset, params["rhs_dilation"])]
-    limit = [s + (t - 1) * st + 1 for s, t, st in zip(start, positions, strides)]
-    window = lax.slice(x, (0, *start, 0), (n, *limit, c_in), (1, *strides, 1))
-    window = window.reshape(batch, count, groups, c_in // groups)
-    products.append(jnp.einsum("btgc,btgo->bgco", window, g, precision=params["precision"]))
+  products = [
+      jnp.einsum("btgc,btgo->bgco", window.reshape(batch, count, groups, c_in // groups), g,
+                 precision=params["precision"])
+      for window in conv_windows(x, kernel, params)]
   # (B, *kernel, groups, C_in / groups, C_out / groups) -> (B, *kernel, C_in / groups, C_out)
   grads = jnp.stack(products, 1).reshape(batch, *kernel, groups, c_in // groups, -1)
   grads = jnp.moveaxis(grads, 1 + len(kernel), -2).reshape(batch, *kernel, -1, c_out)
