@@ -172,12 +172,13 @@ def conv_patches(x, w_shape, g, spec, options, n, lead):
   each of the `C x prod(kernel)` features).
   """
   m = n + lead - 1  # Axes before the conv's own N axis.
-  x = jnp.transpose(x, tuple(range(m)) + tuple(m + a for a in spec.lhs_spec))
+  lhs = spec.lhs_spec
+  x = jnp.transpose(x, tuple(range(m)) + tuple(m + a for a in (lhs[0], *lhs[2:], lhs[1])))
   g = jnp.transpose(g, tuple(range(m)) + tuple(m + a for a in spec.out_spec))
   filter_shape = tuple(w_shape[a] for a in spec.rhs_spec[2:])
-  channels_last = jnp.moveaxis(x.reshape((-1,) + x.shape[m + 1:]), 1, -1)
   # (N, *positions, C, prod(kernel)): channel-major features.
-  patches = jnp.stack(list(conv_windows(channels_last, filter_shape, options)), -1)
+  patches = jnp.stack(list(conv_windows(x.reshape((-1,) + x.shape[m + 1:]), filter_shape,
+                                        options)), -1)
   if patches.shape[1:-2] != g.shape[m + 2:]:
     raise ValueError(
         f"the patches of a convolution's input have spatial shape {patches.shape[1:-2]} "
