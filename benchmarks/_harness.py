@@ -50,6 +50,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,7 +69,8 @@ class Settings:
 
   Attributes:
     quick: scaled-down sizes and fewer rounds, for a smoke run.
-    device: `"cpu"` or `"gpu"`; everything runs on the first device of that kind.
+    device: `"cpu"`, `"tpu"` or `"gpu"`; everything runs on the first device of that
+      kind.
     max_rounds: at most this many timed rounds per comparison (each round times
       every variant once).
     min_rounds: at least this many, however slow the variants.
@@ -84,18 +86,27 @@ class Settings:
   budget_s: float = 20.0
   min_block_s: float = 0.005
   compile_rounds: int = 9
+  dtypes: tuple[str, ...] = ("float32", "bfloat16")
 
   @classmethod
-  def make(cls, quick: bool, device: str = "cpu") -> Settings:
+  def make(cls, quick: bool, device: str = "cpu",
+           dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> Settings:
     if quick:
       return cls(quick=True, device=device, max_rounds=41, min_rounds=7, budget_s=1.5,
-                 compile_rounds=3)
-    return cls(quick=False, device=device)
+                 compile_rounds=3, dtypes=dtypes)
+    # An accelerator's steps are short and steady, and its compiles long: fewer rounds.
+    budget = 20.0 if device == "cpu" else 8.0
+    return cls(quick=False, device=device, budget_s=budget, dtypes=dtypes)
 
   @property
   def judge_targets(self) -> bool:
-    """Targets are CPU targets; on a GPU only absolute times and ratios are shown."""
-    return self.device == "cpu"
+    """Targets are judged on a CPU and a TPU (each workload's own, see `target`); on
+    a GPU only absolute times and ratios are shown."""
+    return self.device in ("cpu", "tpu")
+
+  def target(self, cpu: Target | None, tpu: Target | None = None) -> Target | None:
+    """The target of this run's device: `cpu` on a CPU, `tpu` on a TPU."""
+    return tpu if self.device == "tpu" else cpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +239,23 @@ def device_for(settings: Settings) -> jax.Device:
   except RuntimeError as error:
     raise SystemExit(
         f"benchmarks --device {settings.device}: JAX finds no {settings.device} backend "
-        f"({error}). On a GPU machine install a CUDA jaxlib matching jax 0.5.0, e.g. "
-        'pip install "jax[cuda12]==0.5.0", or run with --device cpu.'
+        f"({error}). On a GPU machine install a CUDA jaxlib matching your jax, e.g. "
+        'pip install "jax[cuda12]==0.5.0"; on a TPU machine "jax[tpu]" (or see '
+        "../shared/tpu/README.md); or run with --device cpu."
     ) from error
+
+
+def cache_compiles(settings: Settings) -> None:
+  """On an accelerator, keeps compiled programs in JAX's persistent cache for the run.
+
+  Each variant is compiled by `lower().compile()` for its memory analysis and again
+  by `jax.jit` for timing; a 12-block decoder's step compiles in 15-50 s on a TPU,
+  so the second compile is read back from a fresh cache folder instead.
+  """
+  if settings.device == "cpu" or jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="bench-cache-"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def memory_stats(compiled: Any) -> dict[str, int]:
@@ -260,6 +285,7 @@ def memory_stats(compiled: Any) -> dict[str, int]:
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (?P<type>.*?) (?P<op>[a-z][a-z0-9\-]*)\(")
 _CUSTOM_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_ANY_PRODUCT = re.compile(r" (?:dot|convolution)\(")
 _ARRAY_TYPE = re.compile(r"(?P<dtype>[a-z]+)(?P<bits>\d+)\[(?P<dims>[0-9,]*)\]")
 
 
@@ -280,10 +306,13 @@ def hlo_stats(hlo_text: str) -> dict[str, int]:
   Returns:
     `dots` (with cuBLAS matmul custom calls on GPU), `copies`, `copy_bytes`,
     `fusions` (fusions, and on CPU the calls to parallel fusions), `custom_calls`
-    (the others: host callbacks) and `instructions`.
+    (the others: host callbacks) and `instructions`, of the entry computation;
+    `all_dots`, the dots and convolutions of the whole module (inside fusions too).
   """
   stats = {name: 0 for name in (
       "dots", "copies", "copy_bytes", "fusions", "custom_calls", "instructions")}
+  # On a TPU every product sits inside a fusion: count them in the whole module.
+  stats["all_dots"] = len(_ANY_PRODUCT.findall(hlo_text))
   in_entry = False
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY "):
@@ -312,7 +341,12 @@ def hlo_stats(hlo_text: str) -> dict[str, int]:
 def analyse(variant: Variant) -> tuple[dict[str, int], dict[str, int]]:
   """Compiles `variant` ahead of time; returns its memory and HLO statistics."""
   compiled = variant.fn.lower(*variant.args).compile()
-  return memory_stats(compiled), hlo_stats(compiled.as_text())
+  stats = hlo_stats(compiled.as_text())
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  if cost and cost.get("flops", -1) >= 0:
+    stats["flops"] = int(cost["flops"])  # XLA's count for the whole program.
+  return memory_stats(compiled), stats
 
 
 def _minor_faults() -> int:
@@ -515,12 +549,31 @@ def parse_args(description: str, argv: Sequence[str] | None = None) -> argparse.
   """Parses the flags every benchmark script takes: `--quick`, `--device`, `--malloc`."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--quick", action="store_true", help="scaled-down sizes, a smoke run")
-  parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+  parser.add_argument("--device", choices=DEVICES, default="cpu")
   parser.add_argument(
       "--malloc", choices=("retain", "system"), default="retain",
       help="retain: glibc keeps freed memory (no page faults per call, steadier "
       "ratios); system: glibc's defaults")
+  add_dtypes_flag(parser)
   return parser.parse_args(argv)
+
+
+DEVICES = ("cpu", "tpu", "gpu")
+
+
+def add_dtypes_flag(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "--dtypes", default="float32,bfloat16",
+      help="the computation dtypes of the workloads that take several (15), "
+      "comma-separated")
+
+
+def dtypes_of(args: argparse.Namespace) -> tuple[str, ...]:
+  dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+  unknown = set(dtypes) - {"float32", "bfloat16"}
+  if unknown or not dtypes:
+    raise SystemExit(f"--dtypes {args.dtypes!r}: choose from float32,bfloat16")
+  return dtypes
 
 
 def retain_freed_memory() -> str:
@@ -551,7 +604,8 @@ def retain_freed_memory() -> str:
 def main(run: Callable[[Settings], WorkloadResult], description: str) -> None:
   """Runs one workload script from the command line and prints its tables."""
   args = parse_args(description)
-  settings = Settings.make(args.quick, args.device)
+  settings = Settings.make(args.quick, args.device, dtypes_of(args))
+  cache_compiles(settings)
   if args.malloc == "retain":
     retain_freed_memory()
   with jax.default_device(device_for(settings)):

@@ -49,7 +49,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -70,6 +69,8 @@ TITLE = ("Stock NNX decoder, no layer marked: record_layers, per-example norms, 
 TARGETS = {"record_layers": h.Target(1.05), "norms": h.Target(1.30),
            "clipped": h.Target(1.30)}
 MEMORY_TARGET = h.Target(1.30)
+# On a TPU: gl.clipped_grad within the faster of 1.20 x plain and the vmap clip.
+TPU_CLIPPED_BOUND = 1.20
 COMPILE_TARGET = h.Target(1.5)
 CLIP = 1.0
 
@@ -96,14 +97,18 @@ class Decoder:
   vocab: int = 256
   seq: int = 32
   batch: int = 128
+  dtype: str = "float32"  # The computation's; parameters are float32.
 
   def __str__(self) -> str:
+    compute = ("float32" if self.dtype == "float32"
+               else f"{self.dtype} compute, float32 parameters")
     return (f"{self.depth} blocks, width {self.width}, {self.heads} heads, vocabulary "
-            f"{self.vocab}, sequence {self.seq}, batch {self.batch}, float32")
+            f"{self.vocab}, sequence {self.seq}, batch {self.batch}, {compute}")
 
   @property
   def tag(self) -> str:
-    return f"seq {self.seq} x batch {self.batch}"
+    return f"seq {self.seq} x batch {self.batch}" + (
+        "" if self.dtype == "float32" else f", {self.dtype}")
 
 
 FULL = (Decoder(seq=32, batch=128), Decoder(seq=128, batch=32), Decoder(seq=512, batch=8))
@@ -116,7 +121,8 @@ QUICK_COMPILE = Decoder(depth=2, width=64, vocab=64, seq=16, batch=32)
 def model(d: Decoder, seed: int = 0):
   """Returns `(loss, (params, inputs, targets))` for `d`."""
   graphdef, params, rest = nnx.split(
-      GPT(d.vocab, d.seq, d.width, d.heads, d.depth, rngs=nnx.Rngs(seed)), nnx.Param, ...)
+      GPT(d.vocab, d.seq, d.width, d.heads, d.depth, dtype=jnp.dtype(d.dtype),
+          rngs=nnx.Rngs(seed)), nnx.Param, ...)
 
   def loss(params, inputs, targets):
     logits = nnx.merge(graphdef, params, rest)(inputs)
@@ -181,19 +187,23 @@ def variants(d: Decoder) -> dict[str, h.Variant]:
           for key, fn in steps(loss, d.batch).items()}
 
 
-def check(vs: dict[str, h.Variant], d: Decoder) -> None:
-  """Every clipped gradient equals vmap's; record_layers's gradient equals plain's."""
+def check(vs: dict[str, h.Variant], d: Decoder, exact: bool = True) -> None:
+  """Every clipped gradient equals vmap's; record_layers's gradient equals plain's
+  (`exact`: element by element; else as vectors, at an accelerator's precision)."""
   expected = vs["vmap"]()
   plain = vs["plain"]()
-  _mlp.assert_trees_close(vs["record_layers"](), plain, "record_layers: gradient")
+  _mlp.assert_trees_close(vs["record_layers"](), plain, "record_layers: gradient",
+                          exact=exact)
   grads, norms = vs["norms"]()
-  _mlp.assert_trees_close(grads, plain, "norms: gradient")
+  _mlp.assert_trees_close(grads, plain, "norms: gradient", exact=exact)
   for key in ("clipped", "jax_privacy"):
     if key in vs:
-      _mlp.assert_trees_close(vs[key](), expected, f"{key}: clipped gradient", rtol=1e-3)
+      _mlp.assert_trees_close(vs[key](), expected, f"{key}: clipped gradient", rtol=1e-3,
+                              exact=exact)
   loss, args = model(d)
   expected_norms = jax.jit(lambda *a: per_example_grads(loss, d.batch, *a)[1])(*args)
-  np.testing.assert_allclose(norms, expected_norms, rtol=1e-4, err_msg="per-example norms")
+  _mlp.assert_trees_close(norms, expected_norms, "per-example norms", rtol=1e-4,
+                          exact=exact)
   assert bool(jnp.any(expected_norms > CLIP)), "nothing was clipped"
 
 
@@ -261,13 +271,16 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
   for index, d in enumerate(regimes):
     print(f"[{NUMBER}] {d} ...", file=sys.stderr, flush=True)
     vs = variants(d)
-    check(vs, d)
+    check(vs, d, exact=settings.device == "cpu")
     m = h.measure(vs, settings)
     measurements.update({f"{index}_{key}": value for key, value in m.items()})
+    vmap_ratio = h.compare(NUMBER, m, "vmap", "plain", None, settings).value
+    tpu_targets = {"clipped": h.Target(min(TPU_CLIPPED_BOUND, vmap_ratio))}
     for key in vs:
       if key == "plain":
         continue
-      comparison = h.compare(NUMBER, m, key, "plain", TARGETS.get(key), settings)
+      target = settings.target(TARGETS.get(key), tpu_targets.get(key))
+      comparison = h.compare(NUMBER, m, key, "plain", target, settings)
       if comparison.status == "MISSED":
         comparison.explanation = h.describe_hlo_difference(m[key], m["plain"])
       comparisons.append(comparison)
@@ -281,6 +294,11 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
     if "jax_privacy" in vs:
       comparisons.append(h.compare(NUMBER, m, "jax_privacy", "clipped", None, settings))
     comparisons.append(h.compare(NUMBER, m, "vmap", "clipped", None, settings))
+  notes = []
+  if settings.device != "cpu":  # Its target is a CPU's; a TPU compiles 24 blocks slowly.
+    notes.append("Trace+compile on 24 blocks: measured on a CPU only.")
+    return h.WorkloadResult(NUMBER, TITLE, measurements, comparisons, notes + _notes(
+        regimes, deep, settings))
   print(f"[{NUMBER}] trace+compile, {deep} ...", file=sys.stderr, flush=True)
   m = compile_times(deep, settings)
   measurements.update(m)
@@ -297,6 +315,11 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
                                  None, settings))
     comparisons.append(h.compare(NUMBER, m, f"compile_{key}_xla", "compile_plain_xla",
                                  None, settings))
+  return h.WorkloadResult(NUMBER, TITLE, measurements, comparisons, _notes(
+      regimes, deep, settings))
+
+
+def _notes(regimes, deep, settings) -> list[str]:
   notes = [
       f"Models: {'; '.join(str(d) for d in regimes)}; trace+compile on {deep}, "
       f"{max(1, settings.compile_rounds // 3)} alternating rounds of fresh `jax.jit`s.",
@@ -310,8 +333,12 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
                           f"{importlib.metadata.version('jax-privacy')}" if jax_privacy
                           else f"not measured here ({JAX_PRIVACY_MISSING}); it needs JAX "
                           ">= 0.7.1 and the `bench-peers` extra")),
+      ("On a TPU gl.clipped_grad's target is the faster of "
+       f"{TPU_CLIPPED_BOUND} x plain and the vmap clip, judged per regime; the checks "
+       "compare whole vectors there (default precision, one bfloat16 pass)."
+       if settings.device == "tpu" else ""),
   ]
-  return h.WorkloadResult(NUMBER, TITLE, measurements, comparisons, notes)
+  return [note for note in notes if note]
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ side by side in one process (see `_harness.py` for the method: interleaved round
 medians of per-round ratios, compile time excluded, `block_until_ready` on every
 output, XLA's memory analysis of each compiled program). This runner runs them in
 turn, prints one table of ratios with each target marked met or missed, and
-writes `benchmarks/results/{cpu,gpu}-jax-VERSION.md` with the machine, the date,
+writes `benchmarks/results/{cpu,tpu,gpu}-jax-VERSION.md` with the machine, the date,
 every variant's time, memory and HLO counts, and for each missed target what the
 HLO says and what would fix it, plus the same ratios as JSON. Then it rewrites
 `benchmarks/RESULTS.md`: the ratios of every JAX version and device in `results/`
@@ -15,6 +15,9 @@ the hand-written sections below the table (from its first `## ` heading on).
 Run:
   python benchmarks/run.py              # full sizes (a few minutes), writes results/
   python benchmarks/run.py --quick      # scaled-down smoke run (under a minute)
+  python benchmarks/run.py --device tpu # on a TPU: each workload's TPU targets
+                                        # (results/tpu-jax-VERSION*.md); add
+                                        # JAX_DEFAULT_MATMUL_PRECISION=highest to compare
   python benchmarks/run.py --device gpu # on a GPU: absolute times, targets not judged
   python benchmarks/run.py --only 1,3   # some workloads (a full run of some workloads
                                         # writes results/DEVICE-jax-VERSION-w1-3.md)
@@ -53,6 +56,7 @@ import bench_multihost
 import bench_running_stats
 import bench_scaling
 import bench_summaries
+import bench_train_size
 import bench_zero_perturbation
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -71,6 +75,7 @@ WORKLOADS = {
     12: bench_any_model,
     13: bench_attribution,
     14: bench_architectures,
+    15: bench_train_size,
 }
 TARGETS = {
     1: "full records <= 1.10 x plain grad",
@@ -85,16 +90,21 @@ TARGETS = {
          "every 10th step (`every=10`)"),
     12: ("stock NNX decoder, no layer marked: record_layers reaped and dropped <= 1.05, "
          "per-example norms <= 1.30, gl.clipped_grad <= 1.30 x plain grad (time) and <= 1.30 "
-         "x its XLA temp memory; trace+compile of record_layers on 24 blocks <= 1.5 x plain"),
+         "x its XLA temp memory; trace+compile of record_layers on 24 blocks <= 1.5 x plain; "
+         "on a TPU gl.clipped_grad <= the faster of 1.20 x plain and the vmap clip"),
     13: ("projected per-example gradients (k = 16) logged every step <= 1.25 x plain grad; "
          "the stored run <= 2% of the whole per-example gradients"),
+    15: ("TPU: GPT-2-small-sized decoder at seq 256 x 32 and 1024 x 8, float32 and bfloat16: "
+         "per-example norms <= 1.08, gl.clipped_grad <= 1.10 x plain grad (time) and <= "
+         "1.10 x its XLA temp memory"),
 }
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="scaled-down sizes, a smoke run")
-  parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+  parser.add_argument("--device", choices=h.DEVICES, default="cpu")
+  h.add_dtypes_flag(parser)
   parser.add_argument(
       "--malloc", choices=("retain", "system"), default="retain",
       help="retain: glibc keeps freed memory (steadier ratios); system: glibc defaults")
@@ -141,6 +151,11 @@ def _summary_lines(results: list[h.WorkloadResult], numbers: list[int]) -> list[
   return lines
 
 
+def _precision_note() -> str:
+  precision = jax.config.jax_default_matmul_precision
+  return f" with JAX_DEFAULT_MATMUL_PRECISION={precision}" if precision else ""
+
+
 def _markdown(results, numbers, machine, settings, allocator, elapsed_s) -> str:
   judged = [c for r in results for c in r.comparisons if c.target is not None]
   missed = [c for c in judged if c.status == "MISSED"]
@@ -148,7 +163,8 @@ def _markdown(results, numbers, machine, settings, allocator, elapsed_s) -> str:
       "# Benchmark results",
       "",
       (f"Written by `python benchmarks/run.py{' --quick' if settings.quick else ''}"
-       f"{' --device gpu' if settings.device == 'gpu' else ''}` on {machine['date']} "
+       f"{'' if settings.device == 'cpu' else ' --device ' + settings.device}` on "
+       f"{machine['date']}{_precision_note()} "
        f"in {elapsed_s:.0f} s. Regenerate with `make bench` (or the command above); the "
        "numbers move from run to run on a shared machine, the ratios much less than the "
        "times."),
@@ -180,7 +196,7 @@ def _markdown(results, numbers, machine, settings, allocator, elapsed_s) -> str:
       *[f"- {n}: {TARGETS[n]}" for n in sorted(TARGETS) if n in numbers],
       "",
       f"{len(judged) - len(missed)} of {len(judged)} judged targets met"
-      + ("" if settings.judge_targets else " (targets are for CPU; not judged here)")
+      + ("" if settings.judge_targets else " (targets are for CPU and TPU; not judged here)")
       + ".",
       "",
       "## Results",
@@ -208,7 +224,8 @@ def _markdown(results, numbers, machine, settings, allocator, elapsed_s) -> str:
 def main(argv=None) -> None:
   """Runs the selected workloads, prints the table, writes the markdown."""
   args = _parse_args(argv)
-  settings = h.Settings.make(args.quick, args.device)
+  settings = h.Settings.make(args.quick, args.device, h.dtypes_of(args))
+  h.cache_compiles(settings)
   numbers = _selected(args.only)
   device = h.device_for(settings)
   started = time.perf_counter()
@@ -242,6 +259,8 @@ def main(argv=None) -> None:
     output = args.output
   elif not settings.quick:  # Some workloads only: a file of their own, a column of its own.
     only = "-w" + "-".join(str(n) for n in numbers) if args.only else ""
+    precision = jax.config.jax_default_matmul_precision
+    only += f"-{precision}" if precision else ""
     output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}{only}.md"
   else:
     output = None

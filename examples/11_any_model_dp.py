@@ -62,13 +62,13 @@ CLIP, TARGET_EPSILON, DELTA, LR, MOMENTUM = 1.0, 8.0, 1e-5, 0.5, 0.9
 class Block(nnx.Module):
   """Pre-norm transformer block: causal self-attention and a 4x GELU MLP."""
 
-  def __init__(self, width, heads, *, rngs):
-    self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+  def __init__(self, width, heads, *, dtype=None, rngs):
+    self.ln1 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
     self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=width, decode=False,
-                                       rngs=rngs)
-    self.ln2 = nnx.LayerNorm(width, rngs=rngs)
-    self.up = nnx.Linear(width, 4 * width, rngs=rngs)
-    self.down = nnx.Linear(4 * width, width, rngs=rngs)
+                                       dtype=dtype, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
+    self.up = nnx.Linear(width, 4 * width, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(4 * width, width, dtype=dtype, rngs=rngs)
 
   def __call__(self, x):
     mask = nnx.make_causal_mask(x[..., 0])
@@ -77,18 +77,24 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-  """Token and learned position embeddings, `depth` blocks, a final norm and a head."""
+  """Token and learned position embeddings, `depth` blocks, a final norm and a head.
 
-  def __init__(self, vocab, seq, width, heads, depth, *, rngs):
-    self.embed = nnx.Embed(vocab, width, rngs=rngs)
+  `dtype` is the computation's (NNX's `dtype`: `jnp.bfloat16` for mixed precision);
+  parameters stay float32 and the logits come out in float32.
+  """
+
+  def __init__(self, vocab, seq, width, heads, depth, *, dtype=None, rngs):
+    self.embed = nnx.Embed(vocab, width, dtype=dtype, rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq, width)))
-    self.blocks = nnx.Sequential(*[Block(width, heads, rngs=rngs) for _ in range(depth)])
-    self.ln_f = nnx.LayerNorm(width, rngs=rngs)
-    self.head = nnx.Linear(width, vocab, rngs=rngs)
+    self.blocks = nnx.Sequential(*[Block(width, heads, dtype=dtype, rngs=rngs)
+                                   for _ in range(depth)])
+    self.ln_f = nnx.LayerNorm(width, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(width, vocab, dtype=dtype, rngs=rngs)
 
   def __call__(self, ids):
-    x = self.embed(ids) + self.pos[: ids.shape[-1]]
-    return self.head(self.ln_f(self.blocks(x)))
+    x = self.embed(ids)
+    x = x + self.pos[: ids.shape[-1]].astype(x.dtype)
+    return self.head(self.ln_f(self.blocks(x))).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------

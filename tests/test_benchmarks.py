@@ -64,7 +64,7 @@ def test_quick_workload_returns_positive_timings(benchmarks):
 
 
 @pytest.mark.parametrize("module", ["bench_summaries", "bench_running_stats",
-                                    "bench_disk_stream", "bench_dp",
+                                    "bench_disk_stream", "bench_dp", "bench_train_size",
                                     pytest.param("bench_instruments", marks=pytest.mark.slow),
                                     pytest.param("bench_any_model", marks=pytest.mark.slow),
                                     pytest.param("bench_architectures",

@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
-# `dot` (einsum at the highest precision) is the analyses' too.
+# `dot` (einsum at the model's precision, summed in float32) is the analyses' too.
 from oryx_gradlog.record._canonical import GRAM, MATERIALIZED, dot  # noqa: F401
 from oryx_gradlog.record._kinds import NORM_KINDS
 from oryx_gradlog.record._selection import Selection, collect

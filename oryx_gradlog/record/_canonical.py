@@ -16,7 +16,11 @@ name); calls that reuse one weight ("tied") are folded into positions here.
 Sharp edges:
   * Views are read from records as the reap returns them, inside any vmap or scan
     that made them; a vmap outside the reap adds axes that would be taken for calls.
-  * The view casts to at least float32 (ids of an embedding stay integers).
+  * The view casts to at least float32 (ids of an embedding stay integers). Its
+    products (`dot`) run at JAX's default matmul precision, which on a TPU is one
+    bfloat16 pass (about 1e-3 relative): the precision the model's own cotangents
+    were computed at. `jax.default_matmul_precision("highest")` around the traced
+    call gives both more.
 """
 
 from __future__ import annotations
@@ -31,14 +35,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from oryx_gradlog.record._kinds import EMBED, LAYER_NORM
-from oryx_gradlog.record._layers import HIGHEST
 
 GRAM, MATERIALIZED = "gram", "materialized"
 
 
 def dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """`jnp.einsum` at the highest precision (the analyses' sums of products)."""
-  return jnp.einsum(spec, a, b, precision=HIGHEST)
+  """`jnp.einsum` at the precision of the model's own products, summed in float32.
+
+  The analyses' sums of products: at JAX's default matmul precision (one bfloat16
+  pass on a TPU, as the model's float32 products take; exact on a CPU), with
+  bfloat16 operands accumulated in float32 (`preferred_element_type`). Ask for more
+  as for the model's products, with `jax.default_matmul_precision("highest")` around
+  the call that traces the step (or `JAX_DEFAULT_MATMUL_PRECISION=highest`).
+  """
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.result_type(a, b, jnp.float32))
 
 
 @functools.partial(

@@ -72,7 +72,6 @@ from oryx_gradlog.record._sites import DEFAULT_TAG
 # The rank of the weight of each kind of layer; a record's weight has more axes
 # only in front, one per stacked call axis.
 WEIGHT_RANK = {DENSE: 2, CONV: 4, EMBED: 2, LAYER_NORM: 1}
-HIGHEST = lax.Precision.HIGHEST
 
 
 @functools.partial(

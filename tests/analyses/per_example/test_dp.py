@@ -379,3 +379,35 @@ def test_bad_arguments_say_what_to_pass():
     gl.dp_epsilon(noise_multiplier=1.0, sampling_rate=2.0, steps=10, delta=0.0)
   with pytest.raises(ValueError, match=r"layer_norm\(name='ln'\).*shape \(d,\)"):
     gl.layer_norm(jnp.ones((2, 3)), jnp.ones(4), name="ln")
+
+
+def test_bfloat16_computation_is_clipped_like_vmap_at_the_models_precision():
+  # Setup: float32 parameters, bfloat16 computation (mixed precision), sequences.
+  params = {"fc1": _layer(1, 8, 16), "fc2": _layer(2, 16, 4)}
+  x, y = _normal(3, (6, 5, 8)), _normal(4, (6, 5, 4))
+
+  def example_loss(params, x, y, batched=False):
+    del batched  # Per-example losses over the leading axes either way.
+    bf16 = lambda a: a.astype(jnp.bfloat16)
+    h = jnp.tanh(bf16(x) @ bf16(params["fc1"]["w"]) + bf16(params["fc1"]["b"]))
+    out = h @ bf16(params["fc2"]["w"]) + bf16(params["fc2"]["b"])
+    return jnp.sum((out.astype(jnp.float32) - y) ** 2, axis=(-2, -1))
+
+  loss = _batch_loss(example_loss, "mean")
+  clipped = gl.clipped_grad(loss, l2_norm_clip=1.0, return_norms=True)
+  # True computation: vmap(grad) of the same bfloat16 computation.
+  expected, expected_norms = _reference(example_loss, params, (x, y), 1.0, "mean")
+  # Library computation, and comparison at bfloat16's precision.
+  grads, norms = jax.jit(clipped)(params, x, y)
+  np.testing.assert_allclose(norms, expected_norms, rtol=2e-2)
+  assert np.any(expected_norms > 1.0)
+  _assert_rel_err(grads, expected, tol=2e-2)
+  # The analyses' products follow the precision the model's products follow (none
+  # fixed: jax.default_matmul_precision decides).
+  products = [e for e in jax.make_jaxpr(clipped)(params, x, y).jaxpr.eqns
+              if e.primitive.name == "dot_general"]
+  model_products = [e for e in jax.make_jaxpr(loss)(params, x, y).jaxpr.eqns
+                    if e.primitive.name == "dot_general"]
+  assert len(products) > len(model_products) > 0
+  assert {e.params["precision"] for e in products} == {
+      e.params["precision"] for e in model_products}
