@@ -1,9 +1,10 @@
 r"""The on-disk log: records and summaries appended step by step to a zarr store.
 
 `RunLog` takes what a training step returns (records, `summarize` output, any pytree
-of arrays), hands it to a writer thread through a bounded queue, and returns at once:
-the copy to the host and the write happen off the training thread, so logging every
-step does not stall the device. Each leaf becomes one zarr array with a leading
+of arrays), starts each accelerator array's copy to the host
+(`copy_to_host_async`), hands the step to a writer thread through a bounded queue,
+and returns at once: the copy and the write happen off the training thread, so
+logging every step does not stall the device. Each leaf becomes one zarr array with a leading
 `step` axis, named by its tree path (`dense.summary.1.norm`), with xarray dimension
 names, so a run opens with `open_run(run_dir)` as an `xarray.Dataset` or with plain
 `zarr`/numpy.
@@ -32,8 +33,11 @@ fix, by the next `append`, `flush` or `close`.
 
 Sharp edges:
   * The queue holds whole steps (references to device arrays, no copies). With
-    `when_full="block"` (default) `append` waits for room; with `"drop"` it drops
-    the step, counts it in `dropped`, and the count is saved in the store.
+    `when_full="block"` (default) `append` waits for room, and counts each wait in
+    `waits` and its seconds in `waited_s` (backpressure: the writer is slower than
+    the steps); with `"drop"` it drops the step and counts it in `dropped`. The
+    counts are saved in the store (`dropped_steps`, `backpressure_waits`,
+    `backpressure_seconds`).
   * Leaves are numeric or boolean arrays, and a key keeps the shape and dtype of
     the first step that logs it: anything else is a `ValueError` at `append`,
     before anything is queued. A key may be logged at some steps only (an
@@ -95,6 +99,7 @@ import os
 import platform
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
@@ -208,6 +213,11 @@ class RunLog:
     steps_per_chunk: steps written together, as one zarr chunk per leaf (`flush`
       writes a partial chunk at once).
 
+  Attributes:
+    dropped: steps dropped for a full queue (`when_full="drop"`), over the run.
+    waits: appends that waited for room in a full queue (`when_full="block"`): the
+      writer was slower than the steps; `waited_s` says how long they waited.
+
   Raises:
     TypeError: `config` is not a JSON-serialisable mapping (checked before the
       folder is made, so a corrected retry starts clean).
@@ -260,9 +270,13 @@ class RunLog:
           f"RunLog({self.run_dir!r}): cannot write the run folder ({error}). Choose a "
           "writable run_dir.") from error
     self.dropped = int(self._root.attrs.get("dropped_steps", 0))
+    self.waits = int(self._root.attrs.get("backpressure_waits", 0))
+    self.waited_s = float(self._root.attrs.get("backpressure_seconds", 0.0))
     self._layouts = {_key(name, array): (array.shape[1:], array.dtype, array.chunks[1:])
                      for name, array in self._root.arrays()}
-    self._names: dict[Any, list[str]] = {}  # Variable names by tree structure.
+    # Per tree structure: the variable names, and whether any leaf is on an
+    # accelerator (whose copy to the host `append` starts).
+    self._names: dict[Any, tuple[list[str], bool]] = {}
     # Each leaf's (shape, dtype), fixed by the first step that logs it (the training
     # thread's copy, checked at `append`).
     self._specs = {name: (tuple(shape), np.dtype(dtype))
@@ -385,22 +399,30 @@ class RunLog:
     if self._closed:
       raise RuntimeError(f"RunLog({self.run_dir!r}).append: the log is closed.")
     leaves, treedef = jax.tree_util.tree_flatten(logged)
-    names = self._names.get(treedef)
-    if names is None:  # Checked once per tree structure.
+    known = self._names.get(treedef)
+    if known is None:  # Checked once per tree structure.
       names = _names_of("RunLog.append", logged)
       _check_no_none(logged)
-      self._names[treedef] = names
+      known = self._names[treedef] = (names, any(map(_on_accelerator, leaves)))
+    names, on_accelerator = known
     step = self._next_step(step, dry_run=True)
     self._check_values(step, names, leaves)
     self._next_step(step)
-    flat = dict(zip(names, leaves))
-    if self._when_full == "drop":
-      try:
-        self._queue.put_nowait((step, flat))
-      except queue.Full:
+    if on_accelerator:  # The writer's `device_get` then finds the copies made.
+      for leaf in leaves:
+        if _on_accelerator(leaf):
+          leaf.copy_to_host_async()
+    item = (step, dict(zip(names, leaves)))
+    try:
+      self._queue.put_nowait(item)
+    except queue.Full:
+      if self._when_full == "drop":
         self.dropped += 1
-    else:
-      self._queue.put((step, flat))
+        return
+      start = time.perf_counter()
+      self._queue.put(item)
+      self.waits += 1
+      self.waited_s += time.perf_counter() - start
 
   def _check_values(self, step: int, names: list[str], leaves: list[Any]) -> None:
     """Every leaf a numeric or boolean array with the shape and dtype its key was
@@ -462,7 +484,7 @@ class RunLog:
     return self._committed
 
   def close(self) -> None:
-    """Flushes, saves the drop count and stops the writer thread."""
+    """Flushes, saves the drop and backpressure counts and stops the writer thread."""
     if self._closed:
       return
     self._closed = True
@@ -470,7 +492,9 @@ class RunLog:
     self._writer.join()
     if self._error is None and self._processes == 1:
       self._truncate_to_committed()  # Exact shapes for plain zarr readers.
-      self._root.attrs["dropped_steps"] = self.dropped
+      self._root.attrs.update({"dropped_steps": self.dropped,
+                               "backpressure_waits": self.waits,
+                               "backpressure_seconds": self.waited_s})
     self._raise_if_failed("close")
 
   def __enter__(self) -> RunLog:
@@ -631,6 +655,12 @@ def _spec_of(leaf: Any) -> tuple[tuple, np.dtype] | str:
     return _spec_of(np.asarray(leaf))
   return (f"a {type(leaf).__module__}.{type(leaf).__qualname__}, not an array: log its "
           "numeric fields (e.g. a dict of arrays), or register it as a pytree")
+
+
+def _on_accelerator(leaf: Any) -> bool:
+  """A JAX array held by this process on a device other than the host's CPU."""
+  return (isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+          and any(device.platform != "cpu" for device in leaf.devices()))
 
 
 def _check_no_none(logged: Any) -> None:

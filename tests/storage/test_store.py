@@ -89,6 +89,31 @@ def test_drop_policy_counts_dropped_steps(tmp_path, monkeypatch):
   np.testing.assert_array_equal(run["x"].values, run["step"].values)
 
 
+@pytest.mark.parametrize("as_on_an_accelerator", [False, True])
+def test_block_policy_counts_its_waits_and_loses_no_step(tmp_path, monkeypatch,
+                                                         as_on_an_accelerator):
+  if as_on_an_accelerator:  # The path that starts each leaf's copy to the host.
+    from oryx_gradlog.storage import _store
+    monkeypatch.setattr(_store, "_on_accelerator", lambda leaf: isinstance(leaf, jax.Array))
+  slow = gl.RunLog._stage
+
+  def slow_write(self, step, logged):
+    time.sleep(0.05)
+    slow(self, step, logged)
+
+  monkeypatch.setattr(gl.RunLog, "_stage", slow_write)
+  log = gl.RunLog(tmp_path, queue_size=1)
+  values = [jnp.full((3,), step, jnp.float32) for step in range(10)]
+  for step, value in enumerate(values):
+    log.append(step, {"x": value})
+  log.close()
+  run = gl.open_run(tmp_path)
+  assert log.waits > 0 and log.waited_s > 0
+  assert run.attrs["backpressure_waits"] == log.waits
+  assert run.attrs["backpressure_seconds"] == pytest.approx(log.waited_s)
+  np.testing.assert_array_equal(run["x"].values, np.stack(values))  # Nothing lost.
+
+
 def test_a_changed_leaf_is_a_clear_error_at_append(tmp_path):
   log = gl.RunLog(tmp_path)
   log.append(0, {"x": np.zeros(2), "n": jnp.int32(1)})
