@@ -60,6 +60,10 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, capsys):
   assert run["ids"].values.tolist() == [list(range(16 * (s % 2), 16 * (s % 2) + 16))
                                         for s in range(6)]
   assert all(spike.cause == spike.step - 1 for spike in namespace["spikes"])
+  # Each step's per-example losses, whose mean is its loss, name a spike's own examples.
+  np.testing.assert_allclose(run["losses"].values.mean(axis=1), run["loss"].values, rtol=1e-5)
+  for spike in namespace["spikes"]:
+    assert sorted(spike.own_ids.tolist()) == run["ids"].values[spike.step].tolist()
   scores = namespace["scores"]
   assert scores.shape == (4, 32) and np.all(np.isfinite(scores))
   # Block 6's norms against vmap(grad) of the block-5 loss.

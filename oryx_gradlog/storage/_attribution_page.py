@@ -7,7 +7,8 @@ the keys of `gl.tracin` and `gl.loss_spikes` (`train`, `ids`, `lr`; `loss` for t
 spikes, `query` for the queries' helpful and harmful examples):
 
 * the steps where the loss rose most, and for each the examples of the step before
-  that pushed it up, with their first-order shares;
+  that pushed it up, with their first-order shares, and (where the run logged
+  per-example `losses`) the spiking batch's own examples by their share of the rise;
 * the training examples of the largest TracIn self-influence (mislabelled or
   unusual examples are often among them);
 * per query, its most helpful and most harmful training examples by TracIn.
@@ -51,14 +52,22 @@ def _examples(ids, values) -> str:
   return ", ".join(f"{int(i)} ({v:+.3g})" for i, v in zip(ids, values))
 
 
+def _own(spike) -> str:
+  """The spiking batch's own examples, or how to have them named."""
+  if spike.own_ids is None:
+    return "(log each step's per-example 'losses' to name them)"
+  return _examples(spike.own_ids[:_SHOWN], spike.own_shares[:_SHOWN])
+
+
 def attribution_text(dataset, *, top: int = 5) -> str:
   """The page's findings as plain text."""
   found = _findings(dataset, top)
   lines = []
   for spike in found["spikes"]:
-    lines.append(f"step {spike.step}: loss {spike.rise:+.4g} above the steps before "
-                 f"({spike.explained:+.4g} from step {spike.cause}'s update); pushed up by "
-                 f"{_examples(spike.ids[:_SHOWN], spike.contributions[:_SHOWN])}")
+    lines.append(f"step {spike.step}: loss {spike.rise:+.4g} above the steps before; "
+                 f"{spike.explained:+.4g} from step {spike.cause}'s update, pushed up by "
+                 f"{_examples(spike.ids[:_SHOWN], spike.contributions[:_SHOWN])}; its own "
+                 f"examples: {_own(spike)}")
   if not found["spikes"]:
     lines.append("no rise of the logged loss" if "loss" in dataset
                  else "no 'loss' logged: no spikes")
@@ -108,14 +117,17 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
     sections.append(_report.figure_section(
         "spikes", "Loss spikes and the examples that caused them", image,
         "the logged loss over steps, its largest rises marked",
-        "Each rise is the loss less the median of the steps before it; its examples are "
-        "those of the step before, ordered by their first-order share of the rise "
-        "(-lr <g_i, g_next>: positive pushed the loss up). A rise that the update "
-        "explains little of is the batch's own (unusual or mislabelled examples)."))
+        "Each rise is the loss less the median of the steps before it. Its part that the "
+        "update of the step before explains is split among that step's examples by "
+        "their first-order share (-lr <g_i, g_next>: positive pushed the loss up). A "
+        "rise that the update explains little of is the batch's own (unusual or "
+        "mislabelled examples): its own examples are ranked by their share of the rise, "
+        "(loss - baseline) / B, from the per-example losses the run logged."))
     rows = [(s.step, f"{s.rise:+.4g}", s.cause, f"{s.explained:+.4g}",
-             _examples(s.ids[:_SHOWN], s.contributions[:_SHOWN])) for s in spikes]
+             _examples(s.ids[:_SHOWN], s.contributions[:_SHOWN]), _own(s)) for s in spikes]
     sections[-1] = sections[-1]._replace(body=sections[-1].body + _table(
-        ("step", "rise", "update of step", "explained", "examples (share)"), rows))
+        ("step", "rise", "update of step", "explained", "its examples (share)",
+         "the batch's own examples (share)"), rows))
   own = found["own"]
   order = np.argsort(-own, kind="stable")[:top * 4]
   sections.append(_report.Section(

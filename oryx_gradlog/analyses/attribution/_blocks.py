@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oryx_gradlog.analyses import _common
+from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.record._kinds import CONV, DENSE, ELEMENTWISE, EMBED, NORM_KINDS
 from oryx_gradlog.record._selection import Selection, collect
 
@@ -144,18 +145,39 @@ class Gradients:
   def __init__(self, api: str, fun: Callable, argnums: int, batch_argnums):
     from oryx_gradlog.record._reap import call_and_reap  # pylint: disable=g-import-not-at-top
     from oryx_gradlog.record.record_layers import recorder  # pylint: disable=g-import-not-at-top
-    self.api = api
+    self.api, self.fun = api, fun
     recorded = recorder(fun, argnums=argnums, batch_argnums=batch_argnums, tag=TAG,
                         api=api)
     self.reaped = call_and_reap(jax.grad(recorded, argnums=argnums), tag=TAG)
-    self.argnums = argnums
+    self.argnums, self.batch_argnums = argnums, batch_argnums
 
-  def records(self, params, batch):
+  def arrays(self, params, batch: tuple) -> tuple[dict[str, Any], dict[str, Layout]]:
+    """`block_arrays` of the records of `batch` (the loss's batch arguments, and any
+    others after them). A batch of one example is recorded as two copies of it, and
+    the copy dropped (see `_batches`)."""
     args = list(batch)
     args.insert(self.argnums, params)
+    _batches.check_call(self.api, self.fun, args)
+    positions = ([i for i in range(len(args)) if i != self.argnums]
+                 if self.batch_argnums is None else
+                 [self.batch_argnums] if isinstance(self.batch_argnums, int)
+                 else list(self.batch_argnums))
+    one = _batches.size([args[i] for i in positions]) == 1
+    if one:
+      args = [_batches.twice(a) if i in positions else a for i, a in enumerate(args)]
     _, records = self.reaped(*args)
     if not records:
       raise ValueError(
           f"{self.api}: no parameter of argnums={self.argnums} meets the batch in the "
           "loss, so no example has a gradient. Check argnums and batch_argnums.")
-    return records
+    out, layout = block_arrays(self.api, records)
+    if one:
+      out = {key: _first(layout[key], value) for key, value in out.items()}
+    return out, layout
+
+
+def _first(layout: Layout, value):
+  """A block's arrays of the first example only."""
+  if layout.kind == DIAGONAL:
+    return value[:1]
+  return tuple(a[:, :1] for a in value)

@@ -41,8 +41,8 @@ default); scores are always of `loss` (or a `measurement`) on the data's labels.
 
 Sharp edges:
   * `loss(params, *batch)` must be the mean over the batch of per-example losses
-    (checked on the first batch), and every batch of one call must have the same
-    size (each size compiles its own step).
+    (checked on the first batch). Batches may differ in size, one example included
+    (`_batches`); each new size compiles its step once.
   * `batches` is read twice by `"ekfac"` (once by the others): pass a list or
     another re-iterable, not a generator.
   * An embedding's out-of-range ids count as the row they are clamped to in `A`
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -65,9 +64,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oryx_gradlog import _repr
 from oryx_gradlog.analyses import _common
+from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.analyses.attribution._blocks import (
-    DIAGONAL, Gradients, Layout, block_arrays, factor_sums, per_example)
+    DIAGONAL, Gradients, Layout, factor_sums, per_example)
 from oryx_gradlog.analyses.attribution._projection import Projector, project
 from oryx_gradlog.record._kinds import EMBED
 
@@ -95,6 +96,8 @@ class KroneckerBlock:
     keys: the parameter paths in the block (the weight's, and the bias's).
   """
 
+  __repr__ = _repr.dataclass_repr
+
   q_a: jax.Array | None
   q_s: jax.Array
   eigenvalues: jax.Array
@@ -115,6 +118,8 @@ class DiagonalBlock:
     damping: `()` added to it.
     keys: the parameter's path, alone.
   """
+
+  __repr__ = _repr.dataclass_repr
 
   eigenvalues: jax.Array
   damping: jax.Array
@@ -137,6 +142,8 @@ class FullBlock:
     keys: the parameter paths in the block.
   """
 
+  __repr__ = _repr.dataclass_repr
+
   q: jax.Array
   eigenvalues: jax.Array
   damping: jax.Array
@@ -157,6 +164,8 @@ class InfluenceFactors:
     projection: the `Projector` whose projected gradients the blocks are of
       (LoGra), or `None`.
   """
+
+  __repr__ = _repr.dataclass_repr
 
   blocks: dict[str, Any]
   strategy: str
@@ -179,6 +188,12 @@ def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
 
   others = tuple(batch)
   examples = [others[i - (i > argnums)] for i in positions]
+  shape = jnp.shape(jax.eval_shape(call, params, others))
+  if shape:
+    raise ValueError(
+        f"{api}: loss(params, *batch) returns an array of shape {shape} on the first "
+        "batch, not a number. Return the mean over the batch of the per-example losses, "
+        "e.g. jnp.mean(per_example_losses).")
   each = jax.vmap(call, in_axes=(None, None, 0))
   whole, mean = (float(v) for v in jax.jit(  # One program: one compile.
       lambda p, o, e: (call(p, o), jnp.mean(each(p, o, e))))(params, others, examples))
@@ -202,8 +217,7 @@ class Pass:
   def arrays(self, params, batch) -> dict[str, Any]:
     """Per block: Kronecker `(x, g)`, diagonal `(B, n)` per-example gradients, of
     the per-example losses."""
-    records = self.gradients.records(params, batch)
-    out, self.layout = block_arrays(self.api, records)
+    out, self.layout = self.gradients.arrays(params, batch)
     if self.projection is not None:
       out, self.layout = project(self.api, self.projection, out, self.layout)
     return out
@@ -228,6 +242,7 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
   argnums, batch_argnums = options["argnums"], options["batch_argnums"]
   sampled_loss, key, progress = options["sampled_loss"], options["key"], options["progress"]
   api = "fit_influence"
+  _batches.check_params(api, params)
   if strategy not in STRATEGIES:
     raise ValueError(f"{api}(strategy={strategy!r}): strategy must be one of "
                      f"{STRATEGIES} (plain gradient products, K-FAC, EK-FAC, each "
@@ -269,32 +284,16 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
       batch = batch + (jax.random.fold_in(label_key, i),)
     return jitted[0](params, batch)
 
-  sizes: list[int] = []
-
-  show = sys.stderr.isatty() if progress is None else progress
-  n_batches = len(batches) if hasattr(batches, "__len__") else None
   passes_total = 2 if strategy == "ekfac" else 1
 
   def each(check_first: bool):
     number = 1 if check_first else 2
-    for i, batch in enumerate(batches):
-      if show:
-        of = f"/{n_batches}" if n_batches is not None else ""
-        print(f"\r{api}: pass {number}/{passes_total}, batch {i + 1}{of}", end="",
-              file=sys.stderr, flush=True)
-      batch = tuple(batch)
-      size = int(np.shape(jax.tree.leaves(batch)[0])[0])
-      if sizes and i >= len(sizes) and size != sizes[0]:
-        raise ValueError(
-            f"{api}: batch {i} has {size} examples but batch 0 has {sizes[0]}; every "
-            "batch must have the same size (drop or pad the last one).")
-      if i >= len(sizes):
-        sizes.append(size)
+    shown = _batches.progress(batches, f"{api}: pass {number}/{passes_total}", progress)
+    for i, batch in enumerate(shown):
+      batch = _batches.as_args(api, batch, f"batches[{i}]")
       if check_first and i == 0:
         _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums)
       yield arrays(params, batch, i)
-    if show:
-      print(file=sys.stderr, flush=True)
 
   if strategy == "full":
     return InfluenceFactors(_full_blocks(api, each(check_first=True), passes, damping),

@@ -8,6 +8,8 @@ A run for these logs, at every step (names are the defaults of the arguments):
 * `"ids"`: `(B,)` integer ids of the batch's training examples;
 * `"lr"`: the learning rate the step's update used;
 * `"loss"`: the batch loss (for `loss_spikes`);
+* `"losses"`: `(B,)` the batch's per-example losses, whose mean is `"loss"` (for
+  `loss_spikes` to name a spike's own examples);
 * `"query"`: for `tracin`, the `ProjectedGrads` of a fixed set of query examples at
   the same parameters.
 
@@ -30,7 +32,9 @@ first-order change that the update of step `t - 1` (plain gradient descent) made
 the loss of batch `t`. A rise that this does not explain (`LossSpike.explained`
 well below `LossSpike.rise`) is batch `t`'s own: a batch of unusual or mislabelled
 examples has a high loss before any update (and the next step's rise is then its
-update's).
+update's). Where the run logged per-example losses, each of batch `t`'s own examples
+gets its share of the rise, `(l_t(i) - baseline) / B` (they add up to the rise), and
+`LossSpike.own_ids` ranks them by it.
 
 Sharp edges:
   * Inner products are of the projected gradients (LoGra): with `k x k` per layer
@@ -49,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from oryx_gradlog import _repr
 from oryx_gradlog.analyses.attribution._factors import fisher_eigenbasis
 from oryx_gradlog.storage._store import open_run
 
@@ -267,7 +272,8 @@ def influence_from_run(run: Any, *, steps: Any = None, train: str = "train",
 
 @dataclasses.dataclass(frozen=True)
 class LossSpike:
-  """A rise of the logged loss, and the examples of the step before that caused it.
+  """A rise of the logged loss: the examples of the step before whose update caused
+  it, and the spiking batch's own examples.
 
   Attributes:
     step: the step whose loss rose.
@@ -279,7 +285,13 @@ class LossSpike:
     explained: their sum, the first-order rise that the update of `cause` made.
       Much less than `rise`: the rise is the batch of `step`'s own (its examples
       are unusual, or mislabelled), not the update's.
+    own_ids: the example ids of `step`'s own batch, the largest share first; `None`
+      where the run logged no per-example losses.
+    own_shares: each one's share of the rise, `(its loss - baseline) / B` (they add
+      up to `rise`); `None` with `own_ids`.
   """
+
+  __repr__ = _repr.dataclass_repr
 
   step: int
   rise: float
@@ -287,6 +299,8 @@ class LossSpike:
   ids: np.ndarray
   contributions: np.ndarray
   explained: float
+  own_ids: np.ndarray | None = None
+  own_shares: np.ndarray | None = None
 
 
 def _baseline(values: np.ndarray, j: int, window: int) -> float:
@@ -296,10 +310,11 @@ def _baseline(values: np.ndarray, j: int, window: int) -> float:
 
 
 def loss_spikes(run: Any, *, top: int = 3, window: int = 5, loss: str = "loss",
-                train: str = "train", ids: str = "ids", lr: str = "lr"
-                ) -> list[LossSpike]:
+                train: str = "train", ids: str = "ids", lr: str = "lr",
+                losses: str = "losses") -> list[LossSpike]:
   """Returns the `top` largest rises of the logged loss, each split among the
-  examples of the step before (see the module docstring).
+  examples of the step before and, where the run logged per-example losses, among
+  the spiking batch's own examples (see the module docstring).
 
   Args:
     run: a run folder written by `gl.RunLog`, or `gl.open_run`'s dataset.
@@ -310,6 +325,8 @@ def loss_spikes(run: Any, *, top: int = 3, window: int = 5, loss: str = "loss",
     train: the key of each step's training `ProjectedGrads`.
     ids: the key of each step's example ids.
     lr: the key of each step's learning rate.
+    losses: the key of each step's `(B,)` per-example losses (optional: without it
+      a spike's own examples are not named).
 
   Returns:
     A list of `LossSpike`, the largest rise first (only rises: fewer than `top`
@@ -348,11 +365,21 @@ def loss_spikes(run: Any, *, top: int = 3, window: int = 5, loss: str = "loss",
   t = _grads(api, dataset, train)
   example = _ids(api, dataset, ids, t.shape[1])
   rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
+  own = (_series(api, dataset, losses, "per-example losses").astype(np.float64)
+         if losses in dataset else None)
+  if own is not None and own.shape != example.shape:
+    raise ValueError(f"{api}: {losses!r} has shape {own.shape[1:]} a step but {ids!r} "
+                     f"{example.shape[1:]}; log each example's loss, (B,), beside its id.")
   spikes = []
   for j in rises:
     share = -rate[j - 1] / t.shape[1] * (t[j - 1] @ t[j].mean(axis=0))
     order = np.argsort(-share, kind="stable")
+    own_ids = own_shares = None
+    if own is not None:
+      own_shares = (own[j] - (values[j] - rise[j])) / own.shape[1]
+      ranked = np.argsort(-own_shares, kind="stable")
+      own_ids, own_shares = example[j][ranked], own_shares[ranked]
     spikes.append(LossSpike(int(steps[j]), float(rise[j]),
                             int(steps[j - 1]), example[j - 1][order], share[order],
-                            float(share.sum())))
+                            float(share.sum()), own_ids, own_shares))
   return spikes

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oryx_gradlog.analyses import _common
+from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.analyses.attribution._blocks import DIAGONAL, Gradients
 from oryx_gradlog.analyses.attribution._factors import (
     DiagonalBlock, FullBlock, InfluenceFactors, KroneckerBlock, divide, flat_grads, Pass,
@@ -57,19 +58,33 @@ def fit_influence(
     batch_argnums: int | Sequence[int] | None = None,
     sampled_loss: Callable[..., jax.Array] | None = None,
     key: jax.Array | None = None,
-    progress: bool | None = None,
+    progress: bool = True,
 ) -> Influence:
   """Fits influence functions of the training examples on `loss` at `params`.
 
-  See the module docstring for the blocks, their conventions and the strategies.
+  `Influence.scores(queries, train)` then gives `g_q^T (H + damping)^-1 g_t` for every
+  pair of a query and a training example (positive: training on t lowers q's loss),
+  `Influence.self_influence` each training example's own score (large for
+  surprising, often mislabelled, examples) and `Influence.top_k` the most helpful and
+  harmful ones. `H` is fitted per block (a layer's weight with its bias, or one
+  parameter; `gl.layer_coverage` lists them) from the per-example gradients of
+  `loss` that `gl.record_layers` finds in any model, as Kronfluence does.
 
   Args:
     loss: the batch loss, `loss(params, *batch)`: the mean over the batch of the
       per-example losses (any model, unchanged).
-    params: the trained parameters.
-    batches: the training data, an iterable of batch tuples (re-iterable for
-      `"ekfac"`, which reads it twice), all of one batch size.
-    strategy: `"identity"`, `"kfac"`, `"ekfac"` or `"full"`.
+    params: the trained parameters (a pytree of arrays; for a Flax NNX model, the
+      `nnx.State` of `nnx.split(model, nnx.Param, ...)`, merged in `loss`).
+    batches: the training data, an iterable of batches (re-iterable for `"ekfac"`,
+      which reads it twice): tuples of the loss's batch arguments, `(x, y)` for
+      `loss(params, x, y)`, or one pytree such as a dict for `loss(params, batch)`,
+      with the examples on every array's leading axis; of any sizes, one example
+      included.
+    strategy: `"ekfac"` (Kronecker factors of each block with their eigenvalues
+      refitted, Kronfluence's default), `"kfac"` (the factors alone, one pass over
+      the batches), `"full"` (each block's whole Fisher: small or projected blocks)
+      or `"identity"` (no curvature: plain gradient products, as TracIn at one
+      checkpoint).
     damping: added to every eigenvalue; `None` for 0.1 x each block's mean.
     projection: a `gl.Projector` (LoGra): the blocks are fitted, and examples
       scored, in its projected space; `None` for the whole gradients.
@@ -81,8 +96,8 @@ def fit_influence(
       the curvature is fitted from its gradients. `None`: the empirical Fisher, of
       `loss` on the batch's labels.
     key: the PRNG key of `sampled_loss` (default `jax.random.PRNGKey(0)`).
-    progress: print each pass's progress to stderr (default: when stderr is a
-      terminal).
+    progress: show a progress bar of each pass over the batches (tqdm's, where it
+      is installed).
 
   Returns:
     An `Influence`.
@@ -120,6 +135,11 @@ class Influence:
     self.loss, self.params, self.factors = loss, params, factors
     self.argnums, self.batch_argnums = argnums, batch_argnums
     self._jitted: dict[Any, Callable] = {}
+
+  def __repr__(self) -> str:
+    projected = "" if self.factors.projection is None else ", projected"
+    return (f"Influence(strategy={self.factors.strategy!r}{projected}, blocks="
+            f"{sorted(self.factors.blocks)})")
 
   def _preconditioned(self, fun: Callable, api: str):
     """A jitted `(params, batch) -> {block: (H + damping)^-1 g per example}` (in the
@@ -200,7 +220,7 @@ class Influence:
   def scores(self, query_batches: Iterable[Sequence[Any]],
              train_batches: Iterable[Sequence[Any]], *,
              measurement: Callable | None = None,
-             query_block: int | None = None) -> np.ndarray:
+             query_block: int | None = None, progress: bool = True) -> np.ndarray:
     """Returns `(n_query, n_train)`: `g_q^T (H + damping)^-1 g_t` per pair.
 
     Args:
@@ -213,6 +233,7 @@ class Influence:
         a larger batch is a block of its own), each block reading the training
         batches again (then re-iterable), to bound memory (see the module
         docstring); `None`: every query at once.
+      progress: show a progress bar of each pass over the training batches.
 
     Returns:
       A NumPy array: positive where training on the example lowers the query's
@@ -233,16 +254,18 @@ class Influence:
     def rows(parts):
       queries = {name: jnp.concatenate([p[name] for p in parts], axis=axis(parts[0][name]))
                  for name in parts[0]}
-      columns = [np.asarray(score(self.factors, self.params, tuple(b), queries))
-                 for b in train_batches]
+      shown = _batches.progress(train_batches, f"{api}: training batches", progress)
+      columns = [np.asarray(score(self.factors, self.params,
+                                  _batches.as_args(api, b, f"train_batches[{i}]"), queries))
+                 for i, b in enumerate(shown)]
       if not columns:
         raise ValueError(f"{api}: train_batches is empty; pass at least one batch.")
       return np.concatenate(columns, axis=1)
 
     blocks, parts, held = [], [], 0
-    for batch in query_batches:
-      batch = tuple(batch)
-      size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+    for i, batch in enumerate(query_batches):
+      batch = _batches.as_args(api, batch, f"query_batches[{i}]")
+      size = _batches.size(batch)
       if parts and query_block is not None and held + size > query_block:
         blocks.append(rows(parts))
         parts, held = [], 0
@@ -253,9 +276,15 @@ class Influence:
     blocks.append(rows(parts))
     return np.concatenate(blocks, axis=0)
 
-  def self_influence(self, batches: Iterable[Sequence[Any]]) -> np.ndarray:
+  def self_influence(self, batches: Iterable[Sequence[Any]], *,
+                     progress: bool = True) -> np.ndarray:
     """Returns `(n,)`: `g_t^T (H + damping)^-1 g_t` per example (large for
-    examples the model finds surprising: often mislabelled ones)."""
+    examples the model finds surprising: often mislabelled ones).
+
+    Args:
+      batches: batches of training examples, as `fit_influence` takes them.
+      progress: show a progress bar of the pass over the batches.
+    """
     api = "Influence.self_influence"
     key = ("self", api)
     if key not in self._jitted:
@@ -271,8 +300,10 @@ class Influence:
         return total
 
       self._jitted[key] = jax.jit(own)
-    values = [np.asarray(self._jitted[key](self.factors, self.params, tuple(b)))
-              for b in batches]
+    shown = _batches.progress(batches, api, progress)
+    values = [np.asarray(self._jitted[key](self.factors, self.params,
+                                           _batches.as_args(api, b, f"batches[{i}]")))
+              for i, b in enumerate(shown)]
     if not values:
       raise ValueError(f"{api}: batches is empty; pass at least one batch.")
     return np.concatenate(values)

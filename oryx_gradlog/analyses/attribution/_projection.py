@@ -40,7 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oryx_gradlog import _repr
 from oryx_gradlog.analyses import _common
+from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.analyses.attribution._blocks import (
     DIAGONAL, KRONECKER, Gradients, Layout, block_arrays, factor_sums, per_example)
 from oryx_gradlog.record._kinds import EMBED
@@ -67,6 +69,8 @@ class Projector:
   positions), with the bias's row last.
   """
 
+  __repr__ = _repr.dataclass_repr
+
   blocks: dict[str, tuple[jax.Array | None, jax.Array | None]]
   k: int
   init: str
@@ -83,6 +87,8 @@ class ProjectedGrads:
       P_out` per layer of a stacked use), a diagonal block's `(B, k * k)` (or its
       whole `(B, size)`).
   """
+
+  __repr__ = _repr.dataclass_repr
 
   grads: dict[str, jax.Array]
 
@@ -220,11 +226,12 @@ def fit_projector(
   if not isinstance(argnums, int):
     raise TypeError(f"{api}(argnums={argnums!r}): one positional argument holds the "
                     "parameters (an int); gather several into one tree.")
+  _batches.check_params(api, params)
   gradients = Gradients(api, loss, argnums, batch_argnums)
   layout: dict[str, Layout] = {}  # Filled when `arrays` is traced.
 
   def arrays(params, batch):
-    out, found = block_arrays(api, gradients.records(params, batch))
+    out, found = gradients.arrays(params, batch)
     layout.update(found)
     return out
 
@@ -232,11 +239,12 @@ def fit_projector(
     first = next(iter(batches), None)
     if first is None:
       raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
-    return _random(jax.eval_shape(arrays, params, tuple(first)), layout, k, seed)
+    return _random(jax.eval_shape(arrays, params, _batches.as_args(api, first, "batches[0]")),
+                   layout, k, seed)
   sums: dict[str, list] = {}
   jitted = jax.jit(arrays)
-  for batch in batches:
-    for name, value in jitted(params, tuple(batch)).items():
+  for i, batch in enumerate(batches):
+    for name, value in jitted(params, _batches.as_args(api, batch, f"batches[{i}]")).items():
       parts = factor_sums(layout[name], value)
       sums[name] = parts if name not in sums else [u + v for u, v in zip(sums[name], parts)]
   if not sums:

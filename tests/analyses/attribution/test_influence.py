@@ -153,6 +153,46 @@ def test_mlp_scores_match_the_dense_formulas(strategy):
   _assert_scores(blocked, scores, tol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["identity", "ekfac"])
+def test_batches_of_any_size_one_example_included_and_dict_batches(strategy):
+  params, x, t, forward, loss = _mlp()
+  train, query = (x[:N], t[:N]), (x[N:], t[N:])
+  blocks = _mlp_blocks(params, *train, forward, loss)
+  queries = [b[-1] for b in _mlp_blocks(params, *query, forward, loss)]
+  expected = _reference(strategy, blocks, queries)
+  own = np.diag(_reference(strategy, blocks, [b[-1] for b in blocks]))
+  # Training batches of 5, 4, 2 and 1 examples; each query a batch of its own.
+  cuts = [0, 5, 9, 11, 12]
+  ragged = [(x[a:b], t[a:b]) for a, b in zip(cuts, cuts[1:])]
+  ones = [(x[N + i:N + i + 1], t[N + i:N + i + 1]) for i in range(Q)]
+  influence = gl.fit_influence(loss, params, ragged, strategy=strategy)
+  _assert_scores(influence.scores(ones, ragged), expected)
+  np.testing.assert_allclose(influence.self_influence(ragged), own, rtol=5e-4)
+  # The same batches as dicts, for a loss that takes the batch as one argument.
+  as_dict = lambda batch: {"x": batch[0], "y": batch[1]}
+  dict_loss = lambda p, batch: loss(p, batch["x"], batch["y"])
+  influence = gl.fit_influence(dict_loss, params, [as_dict(b) for b in ragged],
+                               strategy=strategy)
+  _assert_scores(influence.scores([as_dict(b) for b in ones], [as_dict(b) for b in ragged]),
+                 expected)
+
+
+def test_one_example_of_an_optax_classification_loss_is_scored():
+  optax = pytest.importorskip("optax")
+  params = {"w": _normal(1, 5, 3), "b": _normal(2, 3)}
+  x, labels = _normal(3, 8, 5, scale=1.0), jnp.arange(8) % 3
+
+  def loss(p, x, labels):  # gathers the labels' logits: traced differently at one example
+    logits = x @ p["w"] + p["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  influence = gl.fit_influence(loss, params, _batches(x, labels), strategy="identity")
+  scores = influence.scores([(x[:1], labels[:1])], _batches(x, labels))
+  flat = lambda g: jnp.concatenate([v.reshape(v.shape[0], -1) for v in jax.tree.leaves(g)], 1)
+  grads = flat(_per_example(loss, params, x, labels))
+  _assert_scores(scores, grads[:1] @ grads.T)
+
+
 @pytest.mark.parametrize("passes", ["one_forward", "forward_again_for_the_labels"])
 @pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
 def test_sampled_labels_fit_the_true_fisher(strategy, passes):
@@ -315,10 +355,26 @@ def test_bad_input_is_a_clear_error():
   with pytest.raises(ValueError, match=r"fit_influence: loss\(params, \*batch\) is .* mean "
                      r"over the batch of per-example losses"):
     gl.fit_influence(summed, params, train)
-  with pytest.raises(ValueError, match=r"batch 1 has 3 examples but batch 0 has 4"):
-    gl.fit_influence(loss, params, [train[0], (x[4:7], t[4:7])], strategy="kfac")
+  with pytest.raises(ValueError, match=r"fit_influence: the arrays of batches\[1\] hold "
+                     r"different numbers of examples \(batches\[1\]\[0\] has 4, "
+                     r"batches\[1\]\[1\] has 3\)"):
+    gl.fit_influence(loss, params, [train[0], (x[4:8], t[4:7])], strategy="kfac")
+  with pytest.raises(ValueError, match=r"fit_influence: batches\[0\]\[1\] has no leading "
+                     r"\(batch\) axis"):
+    gl.fit_influence(loss, params, [(x[:4], jnp.float32(1.0))], strategy="kfac")
   with pytest.raises(TypeError, match="is an iterator"):
     gl.fit_influence(loss, params, iter(train))
+  per_example = lambda p, x, t: 0.5 * jnp.sum((x @ p["w1"] - t[:, :1]) ** 2, axis=-1)
+  with pytest.raises(ValueError, match=r"fit_influence: loss\(params, \*batch\) returns an "
+                     r"array of shape \(4,\) on the first batch, not a number"):
+    gl.fit_influence(per_example, params, train)
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+  leaves = jax.tree.leaves(model)
+  if not leaves or not all(isinstance(v, jax.Array) for v in leaves):  # Not arrays.
+    with pytest.raises(TypeError, match=r"fit_influence: params.* is a .*, not an array.*"
+                       r"nnx.split\(model, nnx.Param, ...\)"):
+      gl.fit_influence(lambda m, x, t: jnp.mean((m(x) - t) ** 2), model, train)
   with pytest.raises(ValueError, match="strategy must be one of"):
     gl.fit_influence(loss, params, train, strategy="lissa")
   with pytest.raises(ValueError, match=r"fit_influence\(key=...\): the key is for "
@@ -330,6 +386,10 @@ def test_bad_input_is_a_clear_error():
     influence.scores(train, iter(train), query_block=2)
   with pytest.raises(ValueError, match=r"query_block=0\): give a positive number"):
     influence.scores(train, train, query_block=0)
+  with pytest.raises(TypeError, match=r"Influence.scores: the loss cannot take the "
+                     r"parameters and a batch of 1 argument\(s\) .* not the arrays of one "
+                     r"batch \(x, y\)"):
+    influence.scores(train[0], train)  # One batch (x, y) where a list of them belongs.
   with pytest.raises(ValueError, match=r"parameters 'b1', 'w1' are not covered by the "
                      r"fitted factors as they are used here"):
     influence.scores(train, train, measurement=twice)
@@ -375,3 +435,23 @@ def test_lds_is_the_mean_spearman_correlation_of_subset_sums():
                              gl.lds(scores, masks, measurements))
   with pytest.raises(ValueError, match=r"measurements have shape \(5, 40\); expected"):
     gl.lds(scores, subsets, measurements.T)
+
+
+def test_passes_show_progress_and_results_print_in_a_line(capsys):
+  pytest.importorskip("tqdm")
+  params, x, t, _, loss = _mlp()
+  train = _batches(x[:N], t[:N])
+  influence = gl.fit_influence(loss, params, train)  # EK-FAC: two passes.
+  shown = capsys.readouterr().err
+  assert "fit_influence: pass 1/2" in shown and "fit_influence: pass 2/2" in shown
+  influence.scores(train[:1], train, progress=False)
+  assert capsys.readouterr().err == ""
+  projector = gl.fit_projector(loss, params, train, k=2)
+  for value in (influence, influence.factors, projector):
+    text = repr(value)
+    assert "\n" not in text and len(text) < 600, text
+  assert repr(projector) == ("Projector(blocks={'s': (None, None), 'w1': (float32[1, 6, 2], "
+                             "float32[1, 4, 2]), 'w2': (float32[1, 5, 2], float32[1, 3, 2])}, "
+                             "k=2, init='random')")
+  assert "KroneckerBlock(q_a=float32[1, 6, 6]," in repr(influence.factors)  # w1 and b1
+  assert repr(influence) == "Influence(strategy='ekfac', blocks=['s', 'w1', 'w2'])"

@@ -35,7 +35,9 @@ def _train(loss, params, data, batches, projector, run_dir, lr_of, query=None):
   @jax.jit
   def step(params, batch, query, lr):
     (value, grads), records = grad(params, *batch)
-    logged = {"train": gl.projected_grads(records, projector), "lr": lr, "loss": value}
+    each = jax.vmap(lambda *example: loss(params, *(v[None] for v in example)))(*batch)
+    logged = {"train": gl.projected_grads(records, projector), "lr": lr, "loss": value,
+              "losses": each}
     if query is not None:
       logged["query"] = gl.projected_grads(
           gl.reap(jax.grad(gl.record_layers(loss)))(params, *query), projector)
@@ -150,6 +152,15 @@ def test_a_poisoned_batch_is_named_as_the_cause_of_the_loss_spike(tmp_path):
   assert {60, 61} <= set(spikes)  # (The third: the loss rising in the first steps.)
   own, caused = spikes[60], spikes[61]
   assert own.explained < 1e-3 * own.rise  # The batch's own loss: not step 59's update.
+  # ...its own examples named: the 4 poisoned ones first, shares from their losses.
+  assert set(own.own_ids[:4].tolist()) == set(poisoned.tolist())
+  losses60 = jax.vmap(lambda x, y: loss(checkpoints[60], x[None], y[None]))(
+      x[batches[60]], y[batches[60]])
+  baseline = np.median(np.asarray(gl.open_run(tmp_path / "run")["loss"].values)[55:60])
+  expected = dict(zip(batches[60].tolist(), (np.asarray(losses60) - baseline) / 8))
+  np.testing.assert_allclose(own.own_shares, [expected[i] for i in own.own_ids.tolist()],
+                             rtol=1e-5, atol=1e-6 * own.rise)
+  np.testing.assert_allclose(own.own_shares.sum(), own.rise, rtol=1e-5)
   assert caused.cause == 60 and caused.explained > 0.3 * caused.rise
   assert set(caused.ids[:4].tolist()) == set(poisoned.tolist())
   assert np.all(caused.contributions[:4] > 0.1 * caused.rise)
@@ -238,6 +249,9 @@ def test_the_report_and_the_cli_show_the_runs_attribution(tmp_path):
   spikes = gl.loss_spikes(run_dir, top=5)
   for spike in spikes:
     assert f"<tr><td>{spike.step}</td><td>{spike.rise:+.4g}</td><td>{spike.cause}</td>" in page
+    named = ", ".join(f"{int(i)} ({v:+.3g})" for i, v in zip(spike.own_ids[:5],
+                                                              spike.own_shares[:5]))
+    assert f"<td>{named}</td></tr>" in page
   scores = gl.tracin(run_dir)
   best = np.argsort(-scores[0], kind="stable")[0]
   assert f"<tr><td>0</td><td>{best} ({scores[0, best]:+.3g})" in page
