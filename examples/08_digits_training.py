@@ -138,8 +138,10 @@ def main(argv=None):
       # the time per step.
       log.append(i, {**logged, "instruments": {**logged["instruments"], "time": time.time()}})
       if i % 50 == 0 or i == steps - 1:
-        print(f"step {i:4d}  loss {float(loss):.4f}  |dL/dz| per layer: " + "  ".join(
-            f"{name} {float(jnp.linalg.norm(records[name])):.2e}" for name in sorted(records)))
+        # The mean over examples of each example's cotangent norm, as the report plots.
+        print(f"step {i:4d}  loss {float(loss):.4f}  mean |dL/dz_i| per layer: " + "  ".join(
+            f"{name} {float(jnp.mean(jnp.linalg.norm(records[name], axis=-1))):.2e}"
+            for name in sorted(records)))
     committed = log.flush()
   accuracy = float(jnp.mean(jnp.argmax(forward(params, x_all), -1) == y_all))
   print(f"trained {steps} steps in {time.perf_counter() - start:.1f} s; train accuracy "

@@ -238,7 +238,14 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
   for name in series:
     values, label = series_values(dataset[name])
     (scalars if values.ndim == 1 else arrays)[name] = (values, label)
-  sections = scalar_sections(dataset, {n: v for n, (v, _) in scalars.items()}, out_dir, plt)
+  # A record logged whole beside its per-example summaries: its rows' norms are the
+  # per-example norm panel's, so it gets no panel of its own.
+  per_example = {_record_name(g) for g in groups
+                 if "example" in dataset[f"{g}.norm"].dims}
+  whole = sorted(n for n in arrays if n.endswith(".full") and n[:-5] in per_example)
+  arrays = {n: v for n, v in arrays.items() if n not in whole}
+  sections, plotted = scalar_sections(dataset, {n: v for n, (v, _) in scalars.items()},
+                                      out_dir, plt)
   if groups:
     sections += summary_sections(dataset, groups, out_dir, plt, tqdm, progress)
   sections += array_sections(steps, arrays, out_dir, plt)
@@ -246,8 +253,12 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
   config = html.escape(str(dataset.attrs.get("config", {})))
   intro = (
       f"<p>{len(steps)} steps ({steps[0]} to {steps[-1]}); records summarized: "
-      f"{html.escape(', '.join(records) or 'none')}; scalar series: {len(scalars)}; "
-      f"other arrays: {len(arrays)}.</p><p>config: <code>{config}</code></p>" +
+      f"{html.escape(', '.join(records) or 'none')}; scalar series: "
+      f"{html.escape(_listing(plotted) or 'none')}; other arrays: "
+      f"{html.escape(_listing(arrays) or 'none')}" +
+      (f" ({html.escape(_listing(whole))}, logged whole, are shown by their per-example "
+       "norms)" if whole else "") +
+      f".</p><p>config: <code>{config}</code></p>" +
       ("<p><a href='dashboard.html'>Training instruments dashboard</a></p>"
        if dashboard else "") +
       ("<p><a href='attribution.html'>Training-data attribution: loss spikes, "
@@ -324,10 +335,10 @@ def _is_loss(name: str) -> bool:
 
 
 def scalar_sections(dataset, scalars: dict[str, np.ndarray], out_dir: str, plt
-                    ) -> list[Section]:
-  """The sections of the scalar series: each loss in a figure of its own (the
-  instruments' loss when the run's own series have none), the others six to a
-  figure, then a table of the last finite values."""
+                    ) -> tuple[list[Section], list[str]]:
+  """The sections of the scalar series, and the names of the series they plot: each
+  loss in a figure of its own (the instruments' loss when the run's own series have
+  none), the others six to a figure, then a table of the last finite values."""
   steps = np.asarray(dataset["step"].values)
   losses = [n for n in scalars if _is_loss(n)]
   shown = {n: scalars[n] for n in losses}
@@ -363,7 +374,7 @@ def scalar_sections(dataset, scalars: dict[str, np.ndarray], out_dir: str, plt
                    str(steps[read[-1]]) if read.size else "never"))
     sections.append(Section("last-values", "Scalar series: last values",
                              _table(("series", "last value", "at step"), rows)))
-  return sections
+  return sections, list(shown) + others
 
 
 def _reading_note(name: str, values: np.ndarray, steps: np.ndarray) -> str:
@@ -551,6 +562,18 @@ def _bin_edge(edges: np.ndarray, boundary: int) -> str:
   return f"{edges[boundary - 1]:.2g}" if boundary <= edges.size else "inf"
 
 
+def _bin_tick(edges: np.ndarray, boundary: int) -> str:
+  """`_bin_edge` as a tick label of one format: a power of two (as the default edges
+  are) as `2^-8`, another edge as `3.9e-03`."""
+  if not 0 < boundary <= edges.size:
+    return _bin_edge(edges, boundary)
+  edge = edges[boundary - 1]
+  exponent = np.log2(edge) if edge > 0 else 0.5
+  if exponent == round(exponent):
+    return f"$2^{{{int(exponent)}}}$"
+  return f"{edge:.1e}"
+
+
 def _histogram_figure(plt, steps, counts: np.ndarray, edges: np.ndarray, title: str, *,
                       phone: bool = False):
   """A heat map of `counts` `(steps, bins)`, its y range fitted to the filled bins."""
@@ -561,8 +584,8 @@ def _histogram_figure(plt, steps, counts: np.ndarray, edges: np.ndarray, title: 
   mesh = ax.pcolormesh(_step_edges(steps), y,
                        np.log10(1 + np.asarray(counts, np.float64)[:, rows].T), shading="flat")
   ticks = y[::max(1, -(-len(y) // 8))]
-  ax.set_yticks(ticks, [_bin_edge(edges, int(t)) for t in ticks])
-  ax.set_ylabel("|cotangent| (bin edges)")
+  ax.set_yticks(ticks, [_bin_tick(edges, int(t)) for t in ticks])
+  ax.set_ylabel("|cotangent| (bin's lower edge)")
   _title(ax, f"{title}: |cotangent| histogram")
   step_axis(ax)
   fig.colorbar(mesh, ax=ax, label="log10(1 + count)")
@@ -764,6 +787,11 @@ def _y_axis(ax, drawn: Sequence[np.ndarray], *, log: bool, label: str, title: st
   if log:
     ax.set_yscale("log")
   ax.set_ylabel(label)
+  if values.size and values.min() == values.max():  # A constant, drawn from 0 up.
+    value = float(values[0])
+    ax.set_ylim(*(sorted((0.0, 2.0 * value)) if value else (-1.0, 1.0)))
+    _title(ax, title, f"(constant: {value:.4g})")
+    return ""
   limits = _robust_range(values, log=log)
   note = ""
   if limits is not None:

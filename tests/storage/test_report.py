@@ -243,8 +243,39 @@ def test_histogram_range_is_fitted_to_the_filled_bins():
   fig = _report._histogram_figure(plt, np.arange(7), counts, edges, "h")
   ax = fig.axes[0]
   assert ax.get_ylim() == (rows.start, rows.stop)
-  assert ax.get_yticklabels()[0].get_text() == f"{edges[rows.start - 1]:.2g}"
+  # One format: the default edges are powers of two, 2^-k.
+  labels = [t.get_text() for t in ax.get_yticklabels()]
+  assert labels[0] == f"$2^{{{int(np.log2(edges[rows.start - 1]))}}}$"
+  assert all(label.startswith("$2^{-") for label in labels), labels
   plt.close(fig)
+
+
+def test_a_constant_is_drawn_from_zero_and_the_header_lists_what_is_plotted(
+    layers_run, figures, tmp_path):
+  page = pathlib.Path(gl.report(layers_run, tmp_path / "report", progress=False))
+  (lr,) = [p for panels in figures.values() for p in panels if p.title.startswith("lr")]
+  assert lr.title == "lr\n(constant: 0.1)"  # The note under the name.
+  parsed = _Page(page.read_text(encoding="utf-8"))
+  intro = parsed.paragraphs[0][1]
+  assert "scalar series: loss, eval/accuracy, lr;" in intro, intro
+  assert "other arrays: eval/per_example." in intro, intro
+
+
+def test_a_record_logged_whole_beside_its_summaries_is_not_drawn_twice(tmp_path):
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 3))
+  loss = lambda w, x: jnp.sum(jnp.sin(gl.tap(jnp.tanh(x @ w), name="h")) ** 2)
+  step = jax.jit(lambda w: gl.summarize(gl.reap(jax.grad(loss))(w, x), full="h",
+                                        keep_axes=1))
+  with gl.RunLog(tmp_path, dims={"*": ("example",)}) as log:
+    for t in range(3):
+      log.append(t, step(jnp.ones((3, 4)) * (t + 1)))
+  assert "h.full" in gl.open_run(tmp_path)  # Logged whole, as well as summarized.
+  page = pathlib.Path(gl.report(tmp_path, progress=False))
+  parsed = _Page(page.read_text(encoding="utf-8"))
+  assert [src for src, _ in parsed.images if "arrays" in src] == []
+  assert "per_example.png" in [src for src, _ in parsed.images]
+  assert ("other arrays: none (h.full, logged whole, are shown by their per-example "
+          "norms)") in parsed.paragraphs[0][1]
 
 
 def test_one_far_reading_does_not_flatten_its_panel():
