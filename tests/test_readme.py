@@ -64,6 +64,7 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, capsys):
   np.testing.assert_allclose(run["losses"].values.mean(axis=1), run["loss"].values, rtol=1e-5)
   for spike in namespace["spikes"]:
     assert sorted(spike.own_ids.tolist()) == run["ids"].values[spike.step].tolist()
+  assert run.attrs["examples"]["text"][5] == str(np.asarray(namespace["ids"])[5, :4].tolist())
   scores = namespace["scores"]
   assert scores.shape == (4, 32) and np.all(np.isfinite(scores))
   # Block 6's norms against vmap(grad) of the block-5 loss.

@@ -16,9 +16,12 @@ spikes, `query` for the queries' helpful and harmful examples):
 `attribution_text(dataset)` is the same as plain text (`python -m oryx_gradlog
 attribute RUN_DIR`).
 
+Every example id is shown with what the run said of that example
+(`RunLog.describe_examples`: a label, a short text), where it said anything.
+
 Sharp edges:
   * The keys are `gl.tracin`'s defaults; a run logged under other keys has no page.
-  * Example ids are the ones logged; the page does not know the examples themselves.
+  * Examples are shown by their ids and described columns only: no images.
 """
 
 from __future__ import annotations
@@ -41,44 +44,54 @@ def has_attribution(dataset) -> bool:
 
 
 def _findings(dataset, top: int) -> dict[str, Any]:
-  found: dict[str, Any] = {"own": _from_run.tracin_self_influence(dataset)}
+  found: dict[str, Any] = {"own": _from_run.tracin_self_influence(dataset),
+                           "described": dict(dataset.attrs.get("examples") or {})}
   found["spikes"] = _from_run.loss_spikes(dataset, top=top) if "loss" in dataset else []
   if any(str(n).startswith("query.grads.") for n in dataset.data_vars):
     found["scores"] = _from_run.tracin(dataset, num_examples=found["own"].size)
   return found
 
 
-def _examples(ids, values) -> str:
-  return ", ".join(f"{int(i)} ({v:+.3g})" for i, v in zip(ids, values))
+def _example(i: int, described: dict[str, list]) -> str:
+  """Example `i` as its id and what the run described of it: `7 [label 3, text 'a cat']`."""
+  parts = [f"{name} {column[i]!r}" if isinstance(column[i], str) else f"{name} {column[i]}"
+           for name, column in described.items() if 0 <= i < len(column)]
+  return f"{i} [{', '.join(parts)}]" if parts else str(i)
 
 
-def _own(spike) -> str:
+def _examples(ids, values, described: dict[str, list]) -> str:
+  return ", ".join(f"{_example(int(i), described)} ({v:+.3g})" for i, v in zip(ids, values))
+
+
+def _own(spike, described: dict[str, list]) -> str:
   """The spiking batch's own examples, or how to have them named."""
   if spike.own_ids is None:
     return "(log each step's per-example 'losses' to name them)"
-  return _examples(spike.own_ids[:_SHOWN], spike.own_shares[:_SHOWN])
+  return _examples(spike.own_ids[:_SHOWN], spike.own_shares[:_SHOWN], described)
 
 
 def attribution_text(dataset, *, top: int = 5) -> str:
   """The page's findings as plain text."""
   found = _findings(dataset, top)
+  described = found["described"]
   lines = []
   for spike in found["spikes"]:
+    pushed = _examples(spike.ids[:_SHOWN], spike.contributions[:_SHOWN], described)
     lines.append(f"step {spike.step}: loss {spike.rise:+.4g} above the steps before; "
                  f"{spike.explained:+.4g} from step {spike.cause}'s update, pushed up by "
-                 f"{_examples(spike.ids[:_SHOWN], spike.contributions[:_SHOWN])}; its own "
-                 f"examples: {_own(spike)}")
+                 f"{pushed}; its own examples: {_own(spike, described)}")
   if not found["spikes"]:
     lines.append("no rise of the logged loss" if "loss" in dataset
                  else "no 'loss' logged: no spikes")
   own = found["own"]
   order = np.argsort(-own, kind="stable")[:top * 2]
-  lines.append("highest TracIn self-influence: " + _examples(order, own[order]))
+  lines.append("highest TracIn self-influence: " + _examples(order, own[order], described))
   if "scores" in found:
     for q, row in enumerate(found["scores"]):
       best, worst = np.argsort(-row, kind="stable"), np.argsort(row, kind="stable")
-      lines.append(f"query {q}: helpful {_examples(best[:_SHOWN], row[best[:_SHOWN]])}; "
-                   f"harmful {_examples(worst[:_SHOWN], row[worst[:_SHOWN]])}")
+      helpful = _examples(best[:_SHOWN], row[best[:_SHOWN]], described)
+      harmful = _examples(worst[:_SHOWN], row[worst[:_SHOWN]], described)
+      lines.append(f"query {q}: helpful {helpful}; harmful {harmful}")
   return "\n".join(lines)
 
 
@@ -96,6 +109,7 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
     return None
   from oryx_gradlog.storage import _report  # pylint: disable=import-outside-toplevel
   found = _findings(dataset, top)
+  described = found["described"]
   sections = []
   if "loss" in dataset:
     steps = np.asarray(dataset["step"].values)
@@ -124,7 +138,8 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
         "mislabelled examples): its own examples are ranked by their share of the rise, "
         "(loss - baseline) / B, from the per-example losses the run logged."))
     rows = [(s.step, f"{s.rise:+.4g}", s.cause, f"{s.explained:+.4g}",
-             _examples(s.ids[:_SHOWN], s.contributions[:_SHOWN]), _own(s)) for s in spikes]
+             _examples(s.ids[:_SHOWN], s.contributions[:_SHOWN], described),
+             _own(s, described)) for s in spikes]
     sections[-1] = sections[-1]._replace(body=sections[-1].body + _table(
         ("step", "rise", "update of step", "explained", "its examples (share)",
          "the batch's own examples (share)"), rows))
@@ -135,13 +150,14 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
       "<p>sum over the logged steps of lr |g|^2 of each example's projected gradient: "
       "the examples training kept pushing against (mislabelled or unusual ones are "
       "often among them).</p>" +
-      _table(("example", "self-influence"), [(int(i), f"{own[i]:.4g}") for i in order])))
+      _table(("example", "self-influence"),
+             [(_example(int(i), described), f"{own[i]:.4g}") for i in order])))
   if "scores" in found:
     rows = []
     for q, row in enumerate(found["scores"]):
       best, worst = np.argsort(-row, kind="stable"), np.argsort(row, kind="stable")
-      rows.append((q, _examples(best[:_SHOWN], row[best[:_SHOWN]]),
-                   _examples(worst[:_SHOWN], row[worst[:_SHOWN]])))
+      rows.append((q, _examples(best[:_SHOWN], row[best[:_SHOWN]], described),
+                   _examples(worst[:_SHOWN], row[worst[:_SHOWN]], described)))
     sections.append(_report.Section(
         "queries", "Each query's most helpful and most harmful training examples",
         "<p>TracIn over the logged steps: sum of lr &lt;g(query), g(example)&gt; "

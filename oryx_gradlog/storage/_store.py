@@ -100,9 +100,9 @@ import platform
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import metadata
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +114,14 @@ STORE_NAME = "log.zarr"
 MARKS = "_commit/steps"  # One committed-step mark per process, in many-process runs.
 _MANY_PROCESS_CAPACITY = 2**40  # Steps; chunks not written take no space.
 _STOP, _FLUSH = object(), object()
+_TEXT_LENGTH = 80  # Characters of a text kept by `RunLog.describe_examples`.
+
+
+class _Describe(NamedTuple):
+  """A queued `describe_examples`: written by the writer thread, which alone writes
+  the store's attributes while the run goes on."""
+
+  columns: dict[str, list]
 
 
 def _require(module: str, api: str):
@@ -468,6 +476,55 @@ class RunLog:
       self._last_step = number
     return number
 
+  def describe_examples(self, **columns: Sequence[Any]) -> None:
+    """Saves what each example is, once for the run: columns indexed by example id.
+
+    The attribution page of `gl.report` and `python -m oryx_gradlog attribute` show
+    them beside every example id (the ids logged under `"ids"`); `open_run(run_dir)
+    .attrs["examples"]` gives them back. Values are numbers or short texts (texts
+    are cut to 80 characters); a call replaces the columns of an earlier one.
+
+    Args:
+      **columns: per column name (`label`, `text`, ...), one value per example, the
+        example with id `i` at index `i`.
+
+    Raises:
+      ValueError: no column, columns of different lengths, or a value that is not a
+        number, a boolean or a string. Nothing is saved and the log carries on.
+
+    Example:
+      >>> import tempfile, numpy as np, oryx_gradlog as gl
+      >>> run_dir = tempfile.mkdtemp()
+      >>> with gl.RunLog(run_dir) as log:
+      ...   log.describe_examples(label=np.array([3, 1]), text=["a cat", "a dog"])
+      ...   log.append(0, {"loss": np.float32(1.0)})
+      >>> gl.open_run(run_dir).attrs["examples"]
+      {'label': [3, 1], 'text': ['a cat', 'a dog']}
+    """
+    api = f"RunLog({self.run_dir!r}).describe_examples"
+    self._raise_if_failed("describe_examples")
+    if not columns:
+      raise ValueError(f"{api}: give at least one column, e.g. describe_examples("
+                       "label=labels) with one label per example id.")
+    lengths = {name: len(values) for name, values in columns.items()}
+    if len(set(lengths.values())) > 1:
+      raise ValueError(f"{api}: the columns have different lengths {lengths}; give each "
+                       "one value per example, the example with id i at index i.")
+    saved = {}
+    for name, values in columns.items():
+      column = []
+      for i, value in enumerate(values):
+        if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(value) == 0:
+          value = value.item()
+        if isinstance(value, str):
+          value = value[:_TEXT_LENGTH]
+        elif not isinstance(value, (bool, int, float)):
+          raise ValueError(f"{api}: {name}[{i}] is {type(value).__name__} {value!r}; "
+                           "values are numbers, booleans or short texts (str).")
+        column.append(value)
+      saved[name] = column
+    self._queue.put(_Describe(saved))
+
   def flush(self) -> int:
     """Writes every step appended so far and waits; returns the committed step count.
 
@@ -527,6 +584,9 @@ class RunLog:
         if self._error is None:
           if item is _STOP or item is _FLUSH:
             self._commit()
+          elif isinstance(item, _Describe):
+            if self._process == 0:
+              self._root.attrs["examples"] = item.columns
           else:
             self._stage(*item)
       except BaseException as error:  # noqa: BLE001  (reported to the training thread)

@@ -26,7 +26,8 @@ def _flat(grads) -> np.ndarray:
                          for g in jax.tree.leaves(grads)], axis=1)
 
 
-def _train(loss, params, data, batches, projector, run_dir, lr_of, query=None):
+def _train(loss, params, data, batches, projector, run_dir, lr_of, query=None,
+           described=None):
   """SGD in a Python loop of jitted steps, each logging its batch's projected
   gradients, ids, learning rate and loss (and the query's); returns the parameters
   each step started from (the checkpoints)."""
@@ -45,6 +46,8 @@ def _train(loss, params, data, batches, projector, run_dir, lr_of, query=None):
 
   checkpoints = []
   with gl.RunLog(run_dir) as log:
+    if described is not None:
+      log.describe_examples(**described)
     for i, ids in enumerate(batches):
       checkpoints.append(params)
       lr = jnp.float32(lr_of(i))
@@ -269,3 +272,30 @@ def test_the_report_and_the_cli_show_the_runs_attribution(tmp_path):
                            str(tmp_path / "plain")],
                           capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 2 and "logged no projected gradients" in result.stderr
+
+
+def test_described_examples_are_shown_beside_their_ids(tmp_path):
+  params, x, t, _, loss = _mlp()
+  batches = [np.arange(i, i + B) for i in range(0, N, B)] * 2
+  projector = gl.fit_projector(loss, params, [(x[:B], t[:B])], k=4, seed=2)
+  labels = np.arange(N) % 3
+  texts = [f"example number {i} " * 10 for i in range(N)]  # Cut to 80 characters.
+  _train(loss, params, (x, t), batches, projector, tmp_path / "run", lambda i: 0.05,
+         described={"label": labels, "text": texts})
+  run = gl.open_run(tmp_path / "run")
+  assert run.attrs["examples"] == {"label": labels.tolist(),
+                                   "text": [text[:80] for text in texts]}
+  own = gl.tracin_self_influence(run)
+  top = int(np.argmax(own))
+  from oryx_gradlog.storage import _attribution_page  # The CLI's text.
+  text = _attribution_page.attribution_text(run)
+  assert (f"highest TracIn self-influence: {top} [label {labels[top]}, text "
+          f"{texts[top][:80]!r}] ({own[top]:+.3g})") in text
+  with gl.RunLog(tmp_path / "bad") as log:
+    with pytest.raises(ValueError, match=r"describe_examples: the columns have different "
+                       r"lengths \{'label': 12, 'text': 3\}"):
+      log.describe_examples(label=labels, text=texts[:3])
+    with pytest.raises(ValueError, match=r"describe_examples: label\[0\] is list"):
+      log.describe_examples(label=[[1, 2]])
+    log.append(0, {"loss": np.float32(1.0)})  # The log carries on.
+  assert "examples" not in gl.open_run(tmp_path / "bad").attrs
