@@ -32,6 +32,19 @@ XLA_TEST_FLAGS = {
     "xla_backend_optimization_level": "0" if metadata.version("jaxlib").startswith("0.8.") else "1",
     "xla_llvm_disable_expensive_passes": "true",
 }
+
+# GRADLOG_TEST_DEVICE=tpu: the suite on a TPU machine (../shared/tpu/README.md), in one
+# process (`python -m pytest -p no:xdist`; the chip takes one process). JAX's products
+# run at HIGHEST precision there (the default is one bfloat16 pass, ~1e-3 relative),
+# so that the comparisons with plain JAX hold at the tests' tolerances; the CPU
+# backend's optimisation flags are left out; the tests' subprocesses run on the
+# host's CPU (JAX_PLATFORMS=cpu); tests that need eight devices or sockets skip,
+# saying so. Unset or `cpu`: the suite as CI runs it.
+TEST_DEVICE = os.environ.get("GRADLOG_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "tpu"):
+  raise RuntimeError(f"GRADLOG_TEST_DEVICE={TEST_DEVICE!r}: give cpu or tpu.")
+if TEST_DEVICE == "tpu":
+  XLA_TEST_FLAGS = {"xla_force_host_platform_device_count": "8"}  # The subprocesses'.
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given] + [f"--{k}={v}" for k, v in XLA_TEST_FLAGS.items() if k not in _given]).strip()
@@ -56,6 +69,33 @@ if (os.environ.get("GRADLOG_TEST_CACHE", "1") != "0"
 import jax
 import numpy as np
 import pytest
+
+if TEST_DEVICE == "tpu":
+  if jax.default_backend() != "tpu":
+    raise RuntimeError(f"GRADLOG_TEST_DEVICE=tpu, but JAX's backend is "
+                       f"{jax.default_backend()}: run it on the TPU machine.")
+  jax.config.update("jax_default_matmul_precision", "highest")
+  os.environ["JAX_PLATFORMS"] = "cpu"  # This process has the chip; its children not.
+  os.environ["XLA_FLAGS"] = " ".join(
+      [_given] + [f"--{k}={v}" for k, v in XLA_TEST_FLAGS.items() if k not in _given]).strip()
+
+
+def eight_devices() -> list:
+  """The eight devices of the sharding tests (the CPU's, as XLA_TEST_FLAGS asks), or
+  a skip that says why there are fewer."""
+  devices = jax.devices()
+  if len(devices) < 8:
+    pytest.skip(f"needs 8 devices; JAX's {jax.default_backend()} backend here has "
+                f"{len(devices)} (on a CPU, conftest.py asks XLA for 8)")
+  return devices[:8]
+
+
+def needs_sockets() -> None:
+  """Skips a test that starts processes talking over sockets where there are none
+  (the TPU machine)."""
+  if TEST_DEVICE == "tpu":
+    pytest.skip("starts processes that talk over local sockets (jax.distributed); the "
+                "TPU machine has none: run it on a CPU machine")
 
 # How a reaped function is run: as it is, under jit outside the reap, and with
 # jit applied inside the reap (to the differentiated function).

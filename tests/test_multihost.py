@@ -27,12 +27,17 @@ pytest.importorskip("zarr")
 pytest.importorskip("xarray")
 
 import multihost_worker as worker
-from conftest import XLA_TEST_FLAGS
+from conftest import XLA_TEST_FLAGS, needs_sockets
 
 import oryx_gradlog as gl
 
 STEPS = 20
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
+
+
+@pytest.fixture(autouse=True)
+def _sockets():
+  needs_sockets()
 
 
 def _free_port() -> int:

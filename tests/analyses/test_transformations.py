@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from conftest import eight_devices
 
 import oryx_gradlog as gl
 
@@ -107,7 +108,7 @@ def _step(family, remat=False):
 
 
 def _sharded(step, params, x, y):
-  mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+  mesh = Mesh(np.array(eight_devices()), ("batch",))
   batch = NamedSharding(mesh, PartitionSpec("batch"))
   x, y = jax.device_put(x, batch), jax.device_put(y, batch)
   return jax.jit(step)(params, x, y)

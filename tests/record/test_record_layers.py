@@ -26,7 +26,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from conftest import assert_trees_close
+from conftest import assert_trees_close, eight_devices
 from per_example import (
     assert_norms_close, assert_rel_err, check_clipped_grad, check_found, clip, found,
     median_clip, norms_of, path_name, per_example_grads)
@@ -769,7 +769,7 @@ def test_outer_vmap_with_the_analyses_inside_it():
 def test_sharded_jit_over_eight_devices():
   """The batch split over 8 CPU devices, the parameters replicated."""
   assert jax.device_count() >= 8
-  mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+  mesh = Mesh(np.array(eight_devices()), ("batch",))
   by_example, replicated = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
   per_example, params, _ = attention_3d_kernels()
   loss = _batch_loss(per_example)
