@@ -62,13 +62,13 @@ class Dense(Kind):
     if use.spec.chain is not None or not any(use.tied_calls):
       return None
     x, g, _ = canonical(use)  # (*calls, G, B, T, d); one row an example (`recognise`)
-    x = x * c.reshape(c.shape + (1, 1)).astype(x.dtype)
+    x = x * c.reshape(c.shape + (1, 1)).astype(jnp.promote_types(x.dtype, jnp.float32))
     total = layout(use, _contract(use, "gbti,gbto->gio", x, g), use.n_calls)
     return (total.astype(use.spec.avals[use.w_arg].dtype),)
 
   def view(self, use) -> LayerView:
     n = use.n_calls
-    x, g, groups = canonical(use)  # (*calls, G, B, T, d)
+    x, g, groups = canonical(use)  # (*calls, G, B, T, d); `finish` casts to float32
 
     def flat(a):  # Groups as the major factor of the features, as `finish` expects.
       a = jnp.moveaxis(a, n, n + 2)  # (*calls, B, T, G, d)
@@ -85,7 +85,8 @@ class Dense(Kind):
     x, g, _ = canonical(use)
     if x.shape[-2] != 1:
       return None
-    sq = dot("...gbi,...gbo->...gio", x[..., 0, :] ** 2, g[..., 0, :] ** 2)
+    sq = dot("...gbi,...gbo->...gio", as_float(x[..., 0, :]) ** 2,
+             as_float(g[..., 0, :]) ** 2)
     return layout(use, sq, use.n_calls)
 
   def cost(self, use, method: str) -> tuple[str, int, int]:
@@ -120,7 +121,9 @@ def _parts(use):
 
 
 def canonical(use):
-  """`x` `(*calls, G, B, T, d_in)`, `g` `(*calls, G, B, T, d_out)`, G."""
+  """`x` `(*calls, G, B, T, d_in)`, `g` `(*calls, G, B, T, d_out)`, G; in the records'
+  dtypes (bfloat16 stays bfloat16: `dot` sums its products in float32, and a
+  bfloat16 model's activations are not copied to float32 first)."""
   n = use.n_calls
   x_arg, cx, _, bx_dims, _, free_x, free_w = _parts(use)
   batch_axis = use.spec.batch[x_arg][0]
@@ -145,7 +148,7 @@ def canonical(use):
   g_shape = use.g.shape[n:]
   g = g.reshape(calls + (groups, x_shape[batch_axis], -1, math.prod(
       g_shape[p] for p in w_pos)))
-  return as_float(x), as_float(g), groups
+  return x, g, groups
 
 
 def layout(use, q: jax.Array, lead: int) -> jax.Array:

@@ -381,7 +381,8 @@ def test_bad_arguments_say_what_to_pass():
     gl.layer_norm(jnp.ones((2, 3)), jnp.ones(4), name="ln")
 
 
-def test_bfloat16_computation_is_clipped_like_vmap_at_the_models_precision():
+@pytest.mark.parametrize("method", ["gram", "materialized"])
+def test_bfloat16_computation_is_clipped_like_vmap_at_the_models_precision(method):
   # Setup: float32 parameters, bfloat16 computation (mixed precision), sequences.
   params = {"fc1": _layer(1, 8, 16), "fc2": _layer(2, 16, 4)}
   x, y = _normal(3, (6, 5, 8)), _normal(4, (6, 5, 4))
@@ -394,7 +395,7 @@ def test_bfloat16_computation_is_clipped_like_vmap_at_the_models_precision():
     return jnp.sum((out.astype(jnp.float32) - y) ** 2, axis=(-2, -1))
 
   loss = _batch_loss(example_loss, "mean")
-  clipped = gl.clipped_grad(loss, l2_norm_clip=1.0, return_norms=True)
+  clipped = gl.clipped_grad(loss, l2_norm_clip=1.0, return_norms=True, method=method)
   # True computation: vmap(grad) of the same bfloat16 computation.
   expected, expected_norms = _reference(example_loss, params, (x, y), 1.0, "mean")
   # Library computation, and comparison at bfloat16's precision.
@@ -411,3 +412,6 @@ def test_bfloat16_computation_is_clipped_like_vmap_at_the_models_precision():
   assert len(products) > len(model_products) > 0
   assert {e.params["precision"] for e in products} == {
       e.params["precision"] for e in model_products}
+  if method == "materialized":  # Per-example gradients of bfloat16 operands, in float32.
+    assert any(e.invars[0].aval.dtype == jnp.bfloat16 and e.outvars[0].aval.dtype == jnp.float32
+               for e in products)
