@@ -172,31 +172,49 @@ class InfluenceFactors:
   projection: Projector | None = None
 
 
+def _call(loss, argnums, positions, params, others, examples=None):
+  """`loss` of the parameters and the batch arguments `others`, the arguments at
+  `positions` replaced by one-example batches of `examples` where given."""
+  n_args = len(others) + 1
+  args, rest = [None] * n_args, iter(others)
+  for i in range(n_args):
+    args[i] = params if i == argnums else next(rest)
+  for i, example in zip(positions, examples or ()):
+    args[i] = jax.tree.map(lambda v: v[None], example)
+  return loss(*args)
+
+
+def _whole_and_mean(loss, argnums, positions, params, others, examples):
+  each = jax.vmap(functools.partial(_call, loss, argnums, positions),
+                  in_axes=(None, None, 0))
+  return (_call(loss, argnums, positions, params, others),
+          jnp.mean(each(params, others, examples)))
+
+
+# One program, compiled once a loss (a hashable one: a function; else once a call).
+_whole_and_mean_of = jax.jit(_whole_and_mean, static_argnums=(0, 1, 2))
+
+
 def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
   """`loss(params, *batch)` equals the mean of the losses of one-example batches."""
   n_args = len(batch) + 1
-  positions = [i for i in range(n_args) if i != argnums] if batch_argnums is None else (
-      [batch_argnums] if isinstance(batch_argnums, int) else list(batch_argnums))
-
-  def call(params, others, examples=None):
-    args, rest = [None] * n_args, iter(others)
-    for i in range(n_args):
-      args[i] = params if i == argnums else next(rest)
-    for i, example in zip(positions, examples or ()):
-      args[i] = jax.tree.map(lambda v: v[None], example)
-    return loss(*args)
-
+  positions = tuple(i for i in range(n_args) if i != argnums) if batch_argnums is None else (
+      (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums))
   others = tuple(batch)
   examples = [others[i - (i > argnums)] for i in positions]
-  shape = jnp.shape(jax.eval_shape(call, params, others))
+  shape = jnp.shape(jax.eval_shape(functools.partial(_call, loss, argnums, positions),
+                                   params, others))
   if shape:
     raise ValueError(
         f"{api}: loss(params, *batch) returns an array of shape {shape} on the first "
         "batch, not a number. Return the mean over the batch of the per-example losses, "
         "e.g. jnp.mean(per_example_losses).")
-  each = jax.vmap(call, in_axes=(None, None, 0))
-  whole, mean = (float(v) for v in jax.jit(  # One program: one compile.
-      lambda p, o, e: (call(p, o), jnp.mean(each(p, o, e))))(params, others, examples))
+  try:
+    hash(loss)
+    check = functools.partial(_whole_and_mean_of, loss, argnums, positions)
+  except TypeError:  # A callable object that is not hashable (an Equinox module's).
+    check = jax.jit(functools.partial(_whole_and_mean, loss, argnums, positions))
+  whole, mean = (float(v) for v in check(params, others, examples))
   if not np.isclose(whole, mean, rtol=1e-4, atol=1e-6 * max(1.0, abs(mean))):
     raise ValueError(
         f"{api}: loss(params, *batch) is {whole:.6g} on the first batch but the mean of "
@@ -233,6 +251,13 @@ def rotated(block: KroneckerBlock, layout: Layout, value, rotate: bool = True):
     if layout.kind != EMBED:
       x = _common.dot("sbti,sij->sbtj", x, block.q_a.astype(x.dtype))
   return per_example(layout, (x, g))
+
+
+@functools.partial(jax.jit, static_argnums=2)  # Module-level: compiled once a shape.
+def _rotated_squares(block: KroneckerBlock, value, layout: Layout) -> jax.Array:
+  """EK-FAC's correction of one batch: the squares of each example's gradient in the
+  block's eigenbasis, summed over the examples."""
+  return jnp.sum(rotated(block, layout, value) ** 2, axis=1)
 
 
 def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> InfluenceFactors:
@@ -335,11 +360,9 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
 
   if strategy == "ekfac":  # Pass 2: the eigenvalues corrected in the eigenbases.
     corrected = {key: [0.0, 0] for key, b in blocks.items() if isinstance(b, KroneckerBlock)}
-    squares = jax.jit(lambda block, value, layout: jnp.sum(
-        rotated(block, layout, value) ** 2, axis=1), static_argnums=2)
     for out in each(check_first=False):
       for key in corrected:
-        total = squares(blocks[key], out[key], layouts[key])
+        total = _rotated_squares(blocks[key], out[key], layouts[key])
         corrected[key][0] = corrected[key][0] + np.asarray(total, np.float64)
         corrected[key][1] += out[key][1].shape[1]
     for key, (total, count) in corrected.items():

@@ -455,3 +455,22 @@ def test_passes_show_progress_and_results_print_in_a_line(capsys):
                              "k=2, init='random')")
   assert "KroneckerBlock(q_a=float32[1, 6, 6]," in repr(influence.factors)  # w1 and b1
   assert repr(influence) == "Influence(strategy='ekfac', blocks=['s', 'w1', 'w2'])"
+
+
+def test_a_second_fit_of_the_same_loss_does_not_compile_its_checks_again(caplog):
+  params, x, t, _, loss = _mlp()
+  train = _batches(x[:N], t[:N])
+  first = gl.fit_influence(loss, params, train, progress=False)
+  jax.config.update("jax_log_compiles", True)
+  try:
+    with caplog.at_level("DEBUG", logger="jax"):
+      again = gl.fit_influence(loss, params, train, progress=False)
+  finally:
+    jax.config.update("jax_log_compiles", False)
+  compiled = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith("Finished XLA compilation of")]
+  assert compiled  # The log is read: the pass over the batches compiles anew (for now).
+  assert not [m for m in compiled if "_whole_and_mean" in m or "_rotated_squares" in m], compiled
+  # The same factors, as a check that the cached programs are the same ones.
+  for a, b in zip(jax.tree.leaves(first.factors), jax.tree.leaves(again.factors)):
+    np.testing.assert_array_equal(a, b)
