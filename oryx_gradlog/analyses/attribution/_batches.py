@@ -17,7 +17,7 @@ Sharp edges:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -48,6 +48,15 @@ def as_args(api: str, batch: Any, where: str) -> tuple:
     raise ValueError(f"{api}: the arrays of {where} hold different numbers of examples "
                      f"({found}). {_FORM}, as many in each.")
   return args
+
+
+def positions(argnums: int, batch_argnums: int | Sequence[int] | None, n_args: int
+              ) -> tuple[int, ...]:
+  """The positions of the batch arguments among a call's `n_args` (parameters
+  included): `batch_argnums`, or every one but `argnums`."""
+  if batch_argnums is None:
+    return tuple(i for i in range(n_args) if i != argnums)
+  return (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
 
 
 def size(args: Any) -> int:

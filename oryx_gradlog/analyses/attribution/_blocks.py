@@ -158,10 +158,7 @@ class Gradients:
     args = list(batch)
     args.insert(self.argnums, params)
     _batches.check_call(self.api, self.fun, args)
-    positions = ([i for i in range(len(args)) if i != self.argnums]
-                 if self.batch_argnums is None else
-                 [self.batch_argnums] if isinstance(self.batch_argnums, int)
-                 else list(self.batch_argnums))
+    positions = _batches.positions(self.argnums, self.batch_argnums, len(args))
     one = _batches.size([args[i] for i in positions]) == 1
     if one:
       args = [_batches.twice(a) if i in positions else a for i, a in enumerate(args)]

@@ -198,8 +198,7 @@ _whole_and_mean_of = jax.jit(_whole_and_mean, static_argnums=(0, 1, 2))
 def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
   """`loss(params, *batch)` equals the mean of the losses of one-example batches."""
   n_args = len(batch) + 1
-  positions = tuple(i for i in range(n_args) if i != argnums) if batch_argnums is None else (
-      (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums))
+  positions = _batches.positions(argnums, batch_argnums, n_args)
   others = tuple(batch)
   examples = [others[i - (i > argnums)] for i in positions]
   shape = jnp.shape(jax.eval_shape(functools.partial(_call, loss, argnums, positions),
@@ -301,8 +300,7 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
       fun, positions = loss, batch_argnums
       if sampled_loss is not None:
         fun = sampled_loss
-        if positions is None:
-          positions = [j for j in range(len(batch) + 1) if j != argnums]
+        positions = list(_batches.positions(argnums, positions, len(batch) + 1))
       passes.gradients = Gradients(api, fun, argnums, positions)
       jitted.append(jax.jit(passes.arrays))
     if sampled_loss is not None:
