@@ -99,14 +99,38 @@ class ProjectedGrads:
                             for name in sorted(self.grads)], axis=1)
 
 
-def _check_blocks(api: str, projector: Projector, layout: dict[str, Layout]) -> None:
+def _sizes(value, layout: Layout) -> tuple[int, ...]:
+  """A block's sizes that its projections meet: `(layers, d_in(+1), d_out)` (an
+  embedding's d_in its vocabulary), a diagonal block's `(n,)`."""
+  if layout.kind == DIAGONAL:
+    return (value.shape[1],)
+  x, g = value
+  d_in = layout.vocabulary if layout.kind == EMBED else x.shape[-1]
+  return (g.shape[0], d_in, g.shape[-1])
+
+
+def _check_blocks(api: str, projector: Projector, arrays: dict[str, Any],
+                  layout: dict[str, Layout]) -> None:
   missing = sorted(set(layout) - set(projector.blocks))
   extra = sorted(set(projector.blocks) - set(layout))
-  if missing or extra:
+  wrong = []
+  for name in sorted(set(layout) & set(projector.blocks)):
+    here = _sizes(arrays[name], layout[name])
+    p_in, p_out = projector.blocks[name]
+    if layout[name].kind == DIAGONAL:
+      fitted = here if p_in is None else (p_in.shape[0],)
+    else:
+      layers = next((p.shape[0] for p in (p_in, p_out) if p is not None), here[0])
+      fitted = (layers, here[1] if p_in is None else p_in.shape[-2],
+                here[2] if p_out is None else p_out.shape[-2])
+    if fitted != here:
+      wrong.append(f"{name!r} (fitted for {fitted}, here {here})")
+  if missing or extra or wrong:
     raise ValueError(
         f"{api}: the projector was fitted for other blocks (here without a projection: "
-        f"{missing}; fitted but not here: {extra}). Fit the projector with the loss "
-        "and model whose records you project (gl.fit_projector).")
+        f"{missing}; fitted but not here: {extra}; of other sizes: {wrong or 'none'}). "
+        "Fit the projector with the loss and model whose records you project "
+        "(gl.fit_projector).")
 
 
 def project(api: str, projector: Projector, arrays: dict[str, Any],
@@ -114,7 +138,7 @@ def project(api: str, projector: Projector, arrays: dict[str, Any],
   """The blocks' arrays (`_blocks.block_arrays`) with their projections applied:
   Kronecker `(x P_in, g P_out)`, an embedding's `P_in` rows at its ids (a dense
   block from then on, unless its `P_in` is `None`), diagonal `v P`."""
-  _check_blocks(api, projector, layout)
+  _check_blocks(api, projector, arrays, layout)
   out, new_layout = {}, {}
   for name, value in arrays.items():
     p_in, p_out = projector.blocks[name]

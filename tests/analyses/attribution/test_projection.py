@@ -147,7 +147,14 @@ def test_bad_input_is_a_clear_error():
   projector = gl.fit_projector(other_loss, other, _batches(ids, target), k=2)
   with pytest.raises(ValueError, match=r"projected_grads: the projector was fitted for "
                      r"other blocks \(here without a projection: \['s', 'w1', 'w2'\]; "
-                     r"fitted but not here: \['table', 'w'\]\)"):
+                     r"fitted but not here: \['table', 'w'\]; of other sizes: none\)"):
+    _projected(loss, params, projector, x, t)
+  # The same blocks at other sizes: a wider first layer.
+  wide = dict(params, w1=jnp.ones((5, 6)), b1=jnp.ones(6), w2=jnp.ones((6, 3)))
+  projector = gl.fit_projector(loss, wide, _batches(x, t), k=2)
+  with pytest.raises(ValueError, match=r"projected_grads: .*of other sizes: \[\"'w1' "
+                     r"\(fitted for \(1, 6, 6\), here \(1, 6, 4\)\)\", \"'w2' \(fitted for "
+                     r"\(1, 7, 3\), here \(1, 5, 3\)\)\"\]"):
     _projected(loss, params, projector, x, t)
   with pytest.raises(TypeError, match=r"fit_influence\(projection=dict\): pass a "
                      r"gl.Projector"):
