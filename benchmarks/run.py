@@ -26,6 +26,9 @@ A `--quick` run prints its tables but writes a file only when given `--output`, 
 that a smoke run never replaces the full results.
 
 Sharp edges:
+  * The results file and its .json are written again after each workload, so a run
+    cut short (a device call's time limit) keeps the workloads it finished;
+    RESULTS.md is rewritten once, at the end.
   * By default glibc's malloc is told to keep freed memory (`--malloc retain`, see
     `_harness.retain_freed_memory`). A full CPU run first measures workload 1 with the
     system's defaults too, so the table shows what page faults add.
@@ -240,6 +243,26 @@ def main(argv=None) -> None:
       reference = None
     allocator = (h.retain_freed_memory() if args.malloc == "retain"
                  else "system default (glibc)")
+    if args.output is not None:
+      output = args.output
+    elif not settings.quick:  # Some workloads only: a file of their own, a column of its own.
+      only = "-w" + "-".join(str(n) for n in numbers) if args.only else ""
+      precision = jax.config.jax_default_matmul_precision
+      only += f"-{precision}" if precision else ""
+      output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}{only}.md"
+    else:
+      output = None
+
+    def write(results):
+      """The files of the workloads done so far: a run cut short keeps them."""
+      elapsed = time.perf_counter() - started
+      output.parent.mkdir(parents=True, exist_ok=True)
+      output.write_text(_markdown(results, numbers, machine, settings, allocator, elapsed))
+      output.with_suffix(".json").write_text(json.dumps({
+          "file": output.name, "machine": machine,
+          "comparisons": [_as_json(c) for r in results for c in r.comparisons],
+      }, indent=1))
+
     for number in numbers:
       if number not in WORKLOADS:
         continue
@@ -251,26 +274,13 @@ def main(argv=None) -> None:
       results.append(result)
       if number == 1 and reference is not None:
         results.append(reference)
+      if output is not None:
+        write(results)
   elapsed = time.perf_counter() - started
   print(f"\n# Benchmarks ({'quick' if settings.quick else 'full'}, {device.platform}, "
         f"{machine['date']}, {elapsed:.0f} s)\n")
   print("\n".join(_summary_lines(results, numbers)))
-  if args.output is not None:
-    output = args.output
-  elif not settings.quick:  # Some workloads only: a file of their own, a column of its own.
-    only = "-w" + "-".join(str(n) for n in numbers) if args.only else ""
-    precision = jax.config.jax_default_matmul_precision
-    only += f"-{precision}" if precision else ""
-    output = HERE / "results" / f"{settings.device}-jax-{jax.__version__}{only}.md"
-  else:
-    output = None
   if output is not None:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(_markdown(results, numbers, machine, settings, allocator, elapsed))
-    output.with_suffix(".json").write_text(json.dumps({
-        "file": output.name, "machine": machine,
-        "comparisons": [_as_json(c) for r in results for c in r.comparisons],
-    }, indent=1))
     print(f"\nwrote {output} and its .json")
     if args.output is None:
       runs = sorted(output.parent.glob("*.json"), key=_run_order)
