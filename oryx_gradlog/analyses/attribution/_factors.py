@@ -224,20 +224,37 @@ def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
 
 class Pass:
   """What one batch gives each block (internal): `arrays` is jitted; the blocks'
-  layout (static) is kept in `layout` when it is traced. With a `Projector`, the
-  blocks are those of the projected gradients."""
+  layout (static) is kept when it is traced, in `layout` (the last trace's) and in
+  `layouts` by the shapes it was traced at. With a `Projector`, the blocks are those
+  of the projected gradients."""
 
-  def __init__(self, gradients: Gradients, api: str, projection: Projector | None = None):
-    self.gradients, self.api, self.projection = gradients, api, projection
+  def __init__(self, gradients: Gradients, api: str):
+    self.gradients, self.api = gradients, api
     self.layout: dict[str, Layout] = {}
+    self.layouts: dict[Any, dict[str, Layout]] = {}
 
-  def arrays(self, params, batch) -> dict[str, Any]:
+  def arrays(self, params, batch, projection: Projector | None) -> dict[str, Any]:
     """Per block: Kronecker `(x, g)`, diagonal `(B, n)` per-example gradients, of
     the per-example losses."""
     out, self.layout = self.gradients.arrays(params, batch)
-    if self.projection is not None:
-      out, self.layout = project(self.api, self.projection, out, self.layout)
+    if projection is not None:
+      out, self.layout = project(self.api, projection, out, self.layout)
+    self.layouts[shapes(params, batch, projection)] = self.layout
     return out
+
+
+def shapes(*args) -> tuple:
+  """The structure, shapes and dtypes of `args` (arrays or tracers), hashable."""
+  leaves, treedef = jax.tree.flatten(args)
+  return treedef, tuple((tuple(np.shape(v)), str(jnp.result_type(v))) for v in leaves)
+
+
+@functools.lru_cache(maxsize=16)
+def passes_of(api: str, fun: Callable, argnums: int, positions) -> tuple[Pass, Callable]:
+  """The `Pass` of a loss and its jitted `arrays`, kept across calls (`fit_influence`
+  of the same loss and shapes compiles it once)."""
+  passes = Pass(Gradients(api, fun, argnums, positions), api)
+  return passes, jax.jit(passes.arrays)
 
 
 def rotated(block: KroneckerBlock, layout: Layout, value, rotate: bool = True):
@@ -292,20 +309,25 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
   label_key = jax.random.PRNGKey(0) if key is None else key
   # The fitted function and its jitted pass, made at the first batch: `sampled_loss`
   # takes one argument more than the batch, its key, which is not a batch argument.
-  passes = Pass(None, api, projection)
-  jitted = []
+  made: list = []  # The pass and its jitted arrays, made at the first batch.
+  layouts: dict[str, Layout] = {}
 
   def arrays(params, batch, i):
-    if not jitted:
+    if not made:
       fun, positions = loss, batch_argnums
       if sampled_loss is not None:
         fun = sampled_loss
-        positions = list(_batches.positions(argnums, positions, len(batch) + 1))
-      passes.gradients = Gradients(api, fun, argnums, positions)
-      jitted.append(jax.jit(passes.arrays))
+        positions = _batches.positions(argnums, positions, len(batch) + 1)
+      positions = tuple(positions) if isinstance(positions, list) else positions
+      try:
+        made.extend(passes_of(api, fun, argnums, positions))
+      except TypeError:  # A loss that is not hashable: a pass of this call's own.
+        made.extend(passes_of.__wrapped__(api, fun, argnums, positions))
     if sampled_loss is not None:
       batch = batch + (jax.random.fold_in(label_key, i),)
-    return jitted[0](params, batch)
+    out = made[1](params, batch, projection)
+    layouts.update(made[0].layouts[shapes(params, batch, projection)])
+    return out
 
   passes_total = 2 if strategy == "ekfac" else 1
 
@@ -319,16 +341,14 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
       yield arrays(params, batch, i)
 
   if strategy == "full":
-    return InfluenceFactors(_full_blocks(api, each(check_first=True), passes, damping),
+    return InfluenceFactors(_full_blocks(api, each(check_first=True), layouts, damping),
                             strategy, projection)
 
   # Pass 1: the Kronecker factors (sums over examples x positions) and the
   # diagonal blocks' sums of squares.
   sums: dict[str, list] = {}
-  layouts: dict[str, Layout] = {}
   for out in each(check_first=True):
     for key, value in out.items():
-      layouts[key] = passes.layout[key]
       parts = factor_sums(layouts[key], value)
       sums[key] = parts if key not in sums else [u + v for u, v in zip(sums[key], parts)]
   if not sums:
@@ -393,14 +413,15 @@ def flat_grads(layout: Layout, value) -> jax.Array:
   return grads.reshape(grads.shape[:2] + (-1,))
 
 
-def _full_blocks(api: str, outs, passes: Pass, damping: float | None) -> dict:
+def _full_blocks(api: str, outs, layouts: dict[str, Layout], damping: float | None
+                 ) -> dict:
   """`"full"`: each block's mean `vec(G_i) vec(G_i)^T`, its eigenbasis (float64, on
   the host) and damping."""
   sums: dict[str, list] = {}
   outer = jax.jit(lambda v: _common.dot("sbd,sbe->sde", v, v))
   for out in outs:
     for key, value in out.items():
-      flat = flat_grads(passes.layout[key], value)
+      flat = flat_grads(layouts[key], value)
       if flat.shape[-1] > _FULL_MAX:
         raise ValueError(
             f"{api}(strategy='full'): block {key!r} has {flat.shape[-1]} gradient numbers "
@@ -408,7 +429,7 @@ def _full_blocks(api: str, outs, passes: Pass, damping: float | None) -> dict:
             "inverts. Project the gradients first (projection=gl.fit_projector(loss, "
             "params, batches, k=16)) or use strategy='ekfac'.")
       total = np.asarray(outer(flat), np.float64)
-      part = [total, flat.shape[1], passes.layout[key]]
+      part = [total, flat.shape[1], layouts[key]]
       sums[key] = part if key not in sums else [sums[key][0] + total,
                                                 sums[key][1] + flat.shape[1], part[2]]
   if not sums:

@@ -25,12 +25,15 @@ Sharp edges:
     parameters. Each block of queries reads the training batches once more.
   * The eigenvalues are fitted at the parameters given to `fit_influence`, which
     `Influence` keeps; scores are gradients at those parameters.
-  * Each `fit_influence` call and each `Influence` compiles its steps anew (about
-    a second at small sizes); one `Influence` reuses them across calls.
+  * Compiled once: the steps of `fit_influence` and `Influence` are kept per loss
+    (the last 16 losses, by identity: define the loss once, not in a loop), so a
+    second fit and its scores at the same shapes compile nothing. A loss object
+    that is not hashable gets steps of its own at each call.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -119,6 +122,15 @@ def fit_influence(
   return Influence(loss, params, factors, argnums=argnums, batch_argnums=batch_argnums)
 
 
+@functools.lru_cache(maxsize=16)
+def _steps_of(loss: Callable, argnums: int, batch_argnums) -> dict[Any, Callable]:
+  """The jitted steps of the `Influence`s of one loss (its last 16 losses kept), by
+  step: each takes the factors and parameters as arguments, so one compile serves
+  every `Influence` of that loss at those shapes."""
+  del loss, argnums, batch_argnums  # The key.
+  return {}
+
+
 class Influence:
   """Influence scores of training examples, from fitted `InfluenceFactors`.
 
@@ -134,7 +146,12 @@ class Influence:
                argnums: int = 0, batch_argnums: int | Sequence[int] | None = None):
     self.loss, self.params, self.factors = loss, params, factors
     self.argnums, self.batch_argnums = argnums, batch_argnums
-    self._jitted: dict[Any, Callable] = {}
+    if isinstance(batch_argnums, list):
+      batch_argnums = tuple(batch_argnums)
+    try:  # Shared by every Influence of this loss: a new one compiles nothing anew.
+      self._jitted = _steps_of(loss, argnums, batch_argnums)
+    except TypeError:  # A loss that is not hashable: steps of this Influence's own.
+      self._jitted = {}
 
   def __repr__(self) -> str:
     projected = "" if self.factors.projection is None else ", projected"
@@ -165,12 +182,11 @@ class Influence:
     return self._jitted[key]
 
   def _make_gradients(self, fun: Callable, api: str):
-    passes = Pass(Gradients(api, fun, self.argnums, self.batch_argnums), api,
-                   self.factors.projection)
+    passes = Pass(Gradients(api, fun, self.argnums, self.batch_argnums), api)
 
     def gradients(factors, params, batch):
       out = {}
-      arrays = passes.arrays(params, batch)
+      arrays = passes.arrays(params, batch, factors.projection)
       bad = []
       for name, value in arrays.items():
         layout = passes.layout[name]
