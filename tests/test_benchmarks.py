@@ -93,3 +93,15 @@ def test_results_of_two_jax_versions_are_put_side_by_side(benchmarks, tmp_path):
   results.write_text("# old table\n\n## One-off measurement\n\nby hand\n")
   run.rewrite_results(results, paths)
   assert results.read_text() == table.rstrip("\n") + "\n\n## One-off measurement\n\nby hand\n"
+
+
+def test_profile_ops_reads_the_ops_of_a_step_from_the_profiler(benchmarks):
+  if not hasattr(jax.profiler, "ProfileData"):
+    pytest.skip("jax.profiler.ProfileData is newer than this JAX (0.10.2 has it)")
+  profile_ops = benchmarks("profile_ops")
+  step = jax.jit(lambda a: jax.numpy.tanh(a @ a).sum())
+  ops, categories = profile_ops.profile(step, (jax.numpy.ones((64, 64)),), calls=2)
+  assert ops and all(ms >= 0 for ms, _ in ops.values())
+  # Every op's time is in its category, once.
+  assert sum(categories.values()) == pytest.approx(sum(ms for ms, _ in ops.values()))
+  assert set(categories) == {category for _, category in ops.values()}
