@@ -60,9 +60,9 @@ def _attribute(run_dir: str, top: int) -> str:
   if not _attribution_page.has_attribution(dataset):
     raise ValueError(
         f"attribute({run_dir!r}): the run logged no projected gradients with example ids "
-        "(the keys 'train', 'ids' and 'lr'). Log gl.projected_grads(records, projector) "
-        "with the batch's ids and learning rate at every step (README, 'From the "
-        "training run itself').")
+        "(the keys 'train', 'ids' and 'lr'; or 'products', 'ids' and 'lr' with Adam). "
+        "Log gl.projected_grads(records, projector) with the batch's ids and learning "
+        "rate at every step (README, 'From the training run itself').")
   return f"{run_dir}:\n" + _attribution_page.attribution_text(dataset, top=top)
 
 

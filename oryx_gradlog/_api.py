@@ -48,6 +48,7 @@ from oryx_gradlog.analyses.attribution._from_run import (
     tracin_self_influence,
 )
 from oryx_gradlog.analyses.attribution._factors import InfluenceFactors
+from oryx_gradlog.analyses.attribution._optimizers import adam_preconditioner
 from oryx_gradlog.analyses.attribution._influence import Influence, fit_influence
 from oryx_gradlog.analyses.curvature._curvature import (
     KFACFactors,
@@ -59,6 +60,7 @@ from oryx_gradlog.analyses.per_example._ghost import (
     PerExampleNorms,
     per_example_norms,
 )
+from oryx_gradlog.analyses.per_example._products import per_example_products
 from oryx_gradlog.analyses.curvature._hessian import (
     hessian_diagonal,
     hessian_max_eigenvalue,

@@ -67,6 +67,11 @@ def test_every_readme_block_runs_as_written(tmp_path, monkeypatch, capsys):
   assert run.attrs["examples"]["text"][5] == str(np.asarray(namespace["ids"])[5, :4].tolist())
   scores = namespace["scores"]
   assert scores.shape == (4, 32) and np.all(np.isfinite(scores))
+  # The Adam run logged each query's products with each step's batch.
+  adam_run = namespace["gl"].open_run(tmp_path / "runs" / "attribution-adam")
+  assert adam_run["products"].shape == (6, 4, 16)
+  assert namespace["adam_scores"].shape == (4, 32)
+  assert np.all(np.isfinite(namespace["adam_scores"]))
   # Block 6's norms against vmap(grad) of the block-5 loss.
   loss, params = namespace["loss"], namespace["params"]
   ids, targets = namespace["ids"], namespace["targets"]

@@ -1,7 +1,7 @@
 """Analyses of the records of one backward pass, grouped by concern:
 
-* `per_example`: per-example norms, DP-SGD's clipped gradients, noise and accounting,
-  and the coverage report of `record_layers`;
+* `per_example`: per-example norms, products with a direction, DP-SGD's clipped
+  gradients, noise and accounting, and the coverage report of `record_layers`;
 * `curvature`: K-FAC factors, second moments of per-example gradients, Hessian
   products;
 * `instruments`: Cockpit's training instruments and the gradient noise scale;

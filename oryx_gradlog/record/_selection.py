@@ -197,12 +197,12 @@ def _marked_sources(api, uses: list[MarkedUse], params, where):
   if missing:
     raise ValueError(
         f"{api}: the layer records {missing} have a weight or bias that is not a leaf of "
-        "`params` that this step hands through (alpha's per-example slopes and tic_diag "
-        "need each layer's slice of a parameter-shaped tree, and a hand-marked record "
-        "knows no parameter path). Record the loss with gl.record_layers (hand-marked "
-        "layers are then recorded by parameter path), or pass where= to "
-        "training_instruments, a tree like the parameters with 'NAME.w' / 'NAME.b' (or "
-        "None) at each leaf, or leave those layers out with names=.")
+        "the `params` given (a parameter-shaped tree is read by each layer's slice, and "
+        "a hand-marked record knows no parameter path: its weight is found among the "
+        "leaves of the parameters the step hands through). Record the loss with "
+        "gl.record_layers (hand-marked layers are then recorded by parameter path), or "
+        "pass where=, a tree like the parameters with 'NAME.w' / 'NAME.b' (or None) at "
+        "each leaf, or leave those layers out with names=.")
   return sources
 
 

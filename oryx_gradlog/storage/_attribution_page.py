@@ -4,7 +4,9 @@ logged projected per-example gradients (`gl.projected_grads`) with example ids.
 `attribution_page(dataset, out_dir, plt)` writes `attribution.html` and
 `attribution.png` (the loss over steps, its largest rises marked), when the run has
 the keys of `gl.tracin` and `gl.loss_spikes` (`train`, `ids`, `lr`; `loss` for the
-spikes, `query` for the queries' helpful and harmful examples):
+spikes, `query` for the queries' helpful and harmful examples; or, for a run with
+Adam, `products`, each step's products of the queries' preconditioned gradients with
+the batch's, `gl.tracin(run, products="products")`):
 
 * the steps where the loss rose most, and for each the examples of the step before
   that pushed it up, with their first-order shares, and (where the run logged
@@ -37,18 +39,28 @@ from oryx_gradlog.analyses.attribution import _from_run
 _SHOWN = 5  # Examples per spike and per query.
 
 
+def _has_grads(dataset, key: str) -> bool:
+  return any(str(n).startswith(f"{key}.grads.") for n in dataset.data_vars)
+
+
 def has_attribution(dataset) -> bool:
   names = [str(n) for n in dataset.data_vars]
   return ("ids" in names and "lr" in names
-          and any(n.startswith("train.grads.") for n in names))
+          and (_has_grads(dataset, "train") or "products" in names))
 
 
 def _findings(dataset, top: int) -> dict[str, Any]:
-  found: dict[str, Any] = {"own": _from_run.tracin_self_influence(dataset),
-                           "described": dict(dataset.attrs.get("examples") or {})}
-  found["spikes"] = _from_run.loss_spikes(dataset, top=top) if "loss" in dataset else []
-  if any(str(n).startswith("query.grads.") for n in dataset.data_vars):
-    found["scores"] = _from_run.tracin(dataset, num_examples=found["own"].size)
+  found: dict[str, Any] = {"described": dict(dataset.attrs.get("examples") or {}),
+                           "spikes": []}
+  n = int(np.asarray(dataset["ids"].values).max()) + 1
+  if _has_grads(dataset, "train"):
+    found["own"] = _from_run.tracin_self_influence(dataset, num_examples=n)
+    if "loss" in dataset:
+      found["spikes"] = _from_run.loss_spikes(dataset, top=top)
+  if "products" in dataset:
+    found["scores"] = _from_run.tracin(dataset, num_examples=n, products="products")
+  elif _has_grads(dataset, "query"):
+    found["scores"] = _from_run.tracin(dataset, num_examples=n)
   return found
 
 
@@ -80,12 +92,16 @@ def attribution_text(dataset, *, top: int = 5) -> str:
     lines.append(f"step {spike.step}: loss {spike.rise:+.4g} above the steps before; "
                  f"{spike.explained:+.4g} from step {spike.cause}'s update, pushed up by "
                  f"{pushed}; its own examples: {_own(spike, described)}")
-  if not found["spikes"]:
+  if "own" not in found:
+    lines.append("no projected gradients 'train' logged: no spikes, no self-influence")
+  elif not found["spikes"]:
     lines.append("no rise of the logged loss" if "loss" in dataset
                  else "no 'loss' logged: no spikes")
-  own = found["own"]
-  order = np.argsort(-own, kind="stable")[:top * 2]
-  lines.append("highest TracIn self-influence: " + _examples(order, own[order], described))
+  if "own" in found:
+    own = found["own"]
+    order = np.argsort(-own, kind="stable")[:top * 2]
+    lines.append("highest TracIn self-influence: "
+                 + _examples(order, own[order], described))
   if "scores" in found:
     for q, row in enumerate(found["scores"]):
       best, worst = np.argsort(-row, kind="stable"), np.argsort(row, kind="stable")
@@ -104,7 +120,8 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
 
 def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
   """Writes `attribution.html` (and `attribution.png` where the run logged its loss);
-  returns its path, or `None` for a run without projected gradients and ids."""
+  returns its path, or `None` for a run without projected gradients (or products)
+  and ids."""
   if not has_attribution(dataset):
     return None
   from oryx_gradlog.storage import _report  # pylint: disable=import-outside-toplevel
@@ -143,15 +160,16 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
     sections[-1] = sections[-1]._replace(body=sections[-1].body + _table(
         ("step", "rise", "update of step", "explained", "its examples (share)",
          "the batch's own examples (share)"), rows))
-  own = found["own"]
-  order = np.argsort(-own, kind="stable")[:top * 4]
-  sections.append(_report.Section(
-      "self-influence", "Training examples of the highest TracIn self-influence",
-      "<p>sum over the logged steps of lr |g|^2 of each example's projected gradient: "
-      "the examples training kept pushing against (mislabelled or unusual ones are "
-      "often among them).</p>" +
-      _table(("example", "self-influence"),
-             [(_example(int(i), described), f"{own[i]:.4g}") for i in order])))
+  if "own" in found:
+    own = found["own"]
+    order = np.argsort(-own, kind="stable")[:top * 4]
+    sections.append(_report.Section(
+        "self-influence", "Training examples of the highest TracIn self-influence",
+        "<p>sum over the logged steps of lr |g|^2 of each example's projected gradient: "
+        "the examples training kept pushing against (mislabelled or unusual ones are "
+        "often among them).</p>" +
+        _table(("example", "self-influence"),
+               [(_example(int(i), described), f"{own[i]:.4g}") for i in order])))
   if "scores" in found:
     rows = []
     for q, row in enumerate(found["scores"]):
@@ -161,6 +179,8 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
     sections.append(_report.Section(
         "queries", "Each query's most helpful and most harmful training examples",
         "<p>TracIn over the logged steps: sum of lr &lt;g(query), g(example)&gt; "
+        + ("with the query's gradient in the optimiser's direction (the logged "
+           "'products': Adam's P g(query)) " if "products" in dataset else "") +
         "(positive: training on the example lowered the query's loss).</p>" +
         _table(("query", "most helpful (score)", "most harmful (score)"), rows)))
   page = os.path.join(out_dir, "attribution.html")

@@ -10,6 +10,8 @@
   `projected_grads`), small enough to log at every training step;
 * `_from_run.py`: from such a log, TracIn, influence and the examples behind a
   loss spike;
+* `_optimizers.py`: the step directions of optimisers other than SGD (Adam's
+  preconditioner), for TracIn;
 * `_lds.py`: the linear datamodeling score of any attribution.
 
 Internal: the public names are in `oryx_gradlog`.

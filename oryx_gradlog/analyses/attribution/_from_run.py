@@ -39,8 +39,11 @@ gets its share of the rise, `(l_t(i) - baseline) / B` (they add up to the rise),
 Sharp edges:
   * Inner products are of the projected gradients (LoGra): with `k x k` per layer
     they approximate the whole gradients' (exact where every side is at most `k`).
-  * The contributions to a spike assume an SGD update `-lr * mean_i g_i`; with
-    momentum or Adam they are those of the step's gradient alone.
+  * `tracin` from projected gradients, `tracin_self_influence` and the
+    contributions to a spike assume an SGD update `-lr * mean_i g_i`; with momentum
+    or Adam they are those of the step's gradient alone. For Adam, `tracin(...,
+    products=...)` reads the logged products of each query's preconditioned
+    gradient with the batch's (`gl.adam_preconditioner`).
   * A spike needs two consecutive logged steps (`t - 1` and `t`): log every step.
   * Each block is read whole, `steps x B x k x k` floats at a time.
 """
@@ -118,8 +121,17 @@ def _count(api: str, example: np.ndarray, num_examples: int | None) -> int:
 
 
 def tracin(run: Any, *, train: str = "train", query: str = "query", ids: str = "ids",
-           lr: str = "lr", num_examples: int | None = None) -> np.ndarray:
+           lr: str = "lr", num_examples: int | None = None,
+           products: str | None = None) -> np.ndarray:
   """Returns `(n_query, num_examples)` TracIn scores over the logged steps.
+
+  Plain SGD's scores `sum_t lr_t <g_t(q), g_t(z)>` come from the logged projected
+  gradients of the training batch and of the queries. For another optimiser, log at
+  each step the products of the queries' step directions with the batch's
+  gradients and pass their key as `products`: with Adam, `<P_t g_t(q), g_t(z)>`
+  (`gl.adam_preconditioner` for `P_t`, `gl.per_example_products` for the products);
+  the scores are then `sum_t lr_t` times those, exact up to the momentum's spread
+  (see `gl.adam_preconditioner`).
 
   Args:
     run: a run folder written by `gl.RunLog`, or `gl.open_run`'s dataset.
@@ -128,6 +140,9 @@ def tracin(run: Any, *, train: str = "train", query: str = "query", ids: str = "
     ids: the key of each step's example ids.
     lr: the key of each step's learning rate.
     num_examples: the training set's size (default: the largest id + 1).
+    products: the key of each step's `(n_query, B)` products of the queries' step
+      directions with the batch's per-example gradients; where given, `train` and
+      `query` are not read.
 
   Returns:
     A NumPy array: positive where training on the example lowered the query's loss.
@@ -148,18 +163,29 @@ def tracin(run: Any, *, train: str = "train", query: str = "query", ids: str = "
   """
   api = "tracin"
   dataset = _dataset(run)
-  t, q = _grads(api, dataset, train), _grads(api, dataset, query)
-  if t.shape[2] != q.shape[2]:
-    raise ValueError(f"{api}: the query and training gradients have {q.shape[2]} and "
-                     f"{t.shape[2]} numbers; log both with the same projector.")
-  example = _ids(api, dataset, ids, t.shape[1])
+  if products is None:
+    t, q = _grads(api, dataset, train), _grads(api, dataset, query)
+    if t.shape[2] != q.shape[2]:
+      raise ValueError(f"{api}: the query and training gradients have {q.shape[2]} and "
+                       f"{t.shape[2]} numbers; log both with the same projector.")
+    step_scores = lambda step: q[step] @ t[step].T
+    n_query, batch = q.shape[1], t.shape[1]
+  else:
+    p = _series(api, dataset, products, "per-example products").astype(np.float64)
+    if p.ndim != 3:
+      raise ValueError(f"{api}(products={products!r}): each step's products must be "
+                       f"(n_query, B), got {p.shape[1:]}; log jax.vmap of "
+                       "gl.per_example_products over the queries' directions.")
+    step_scores = lambda step: p[step]
+    n_query, batch = p.shape[1:]
+  example = _ids(api, dataset, ids, batch)
   rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
   n = _count(api, example, num_examples)
-  scores = np.zeros((q.shape[1], n))
-  for step in range(t.shape[0]):
+  scores = np.zeros((n_query, n))
+  for step in range(len(example)):
     if not np.isfinite(rate[step]):  # A step that logged no learning rate.
       continue
-    np.add.at(scores.T, example[step], rate[step] * (t[step] @ q[step].T))
+    np.add.at(scores.T, example[step], rate[step] * step_scores(step).T)
   return scores
 
 

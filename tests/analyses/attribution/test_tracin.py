@@ -18,6 +18,7 @@ from test_influence import N, Q, B, _mlp, _mlp_blocks, _per_example
 from test_projection import _expected
 
 import oryx_gradlog as gl
+from oryx_gradlog.storage import _attribution_page
 
 
 def _flat(grads) -> np.ndarray:
@@ -101,6 +102,91 @@ def test_tracin_of_projected_gradients_is_the_sum_of_their_products(tmp_path):
         params, x[ids], t[ids]).T
   np.testing.assert_allclose(gl.tracin(tmp_path / "run"), expected, rtol=2e-4,
                              atol=1e-6 * np.abs(expected).max())
+
+
+def test_tracin_of_an_adam_run_is_the_sum_of_preconditioned_gradient_products(tmp_path):
+  # Setup: Adam in a Python loop of jitted steps; each step logs, per query, the
+  # products of its preconditioned gradient with the batch's per-example gradients.
+  optax = pytest.importorskip("optax")
+  params, x, t, _, loss = _mlp()
+  opt = optax.adam(0.05, b2=0.99)
+  grad = gl.call_and_reap(jax.value_and_grad(gl.record_layers(loss)))
+  one = lambda p, x, t: loss(p, x[None], t[None])
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    (_, grads), records = grad(params, *batch)
+    updates, opt_state = opt.update(grads, opt_state)
+    pre = gl.adam_preconditioner(opt_state, b2=0.99)
+    queries = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, x[N:], t[N:])
+    directions = jax.tree.map(lambda p, q: p * q, pre, queries)
+    products = jax.vmap(lambda v: gl.per_example_products(records, v))(directions)
+    return optax.apply_updates(params, updates), opt_state, products
+
+  order = np.random.default_rng(0).permutation(N)
+  batches = [order[i:i + B] for i in range(0, N, B)] * 2
+  opt_state, checkpoints = opt.init(params), []
+  with gl.RunLog(tmp_path / "run") as log:
+    for i, ids in enumerate(batches):
+      checkpoints.append((params, opt_state))
+      params, opt_state, products = step(params, opt_state, (x[ids], t[ids]))
+      log.append(i, {"products": products, "ids": jnp.asarray(ids),
+                     "lr": jnp.float32(0.05)})
+  # True computation: sum_t lr <P_t g_t(q), g_t(z)>, with P_t from optax's state
+  # after step t's update, recomputed from the checkpoints with vmap(grad).
+  expected, plain = np.zeros((Q, N)), np.zeros((Q, N))
+  for ids, (params, opt_state) in zip(batches, checkpoints):
+    grads = jax.grad(loss)(params, x[ids], t[ids])
+    _, state = opt.update(grads, opt_state)
+    nu_hat = jax.tree.map(lambda nu: nu / (1 - 0.99 ** state[0].count), state[0].nu)
+    pre = jax.tree.map(lambda nu: 1 / (jnp.sqrt(nu) + 1e-8), nu_hat)
+    gq = _per_example(loss, params, x[N:], t[N:])
+    gz = _flat(_per_example(loss, params, x[ids], t[ids]))
+    expected[:, ids] += 0.05 * _flat(jax.tree.map(lambda p, q: p * q, pre, gq)) @ gz.T
+    plain[:, ids] += 0.05 * _flat(gq) @ gz.T
+  # Library computation, and comparison.
+  scores = gl.tracin(tmp_path / "run", products="products")
+  np.testing.assert_allclose(scores, expected, rtol=2e-4, atol=1e-6 * np.abs(expected).max())
+  # Adam's scores are not SGD's products of the same gradients (up to a scale).
+  assert np.abs(np.corrcoef(scores.ravel(), plain.ravel())[0, 1]) < 0.99
+  # The command line (and the report's page) show each query's examples by them.
+  lines = _attribution_page.attribution_text(gl.open_run(tmp_path / "run")).splitlines()
+  best = np.argsort(-scores[1], kind="stable")[0]
+  assert lines[2].startswith(f"query 1: helpful {best} ({scores[1, best]:+.3g})")
+  assert lines[0].startswith("no projected gradients 'train' logged")
+  with pytest.raises(ValueError, match=r"tracin\(products='lr'\): each step's products "
+                     r"must be \(n_query, B\)"):
+    gl.tracin(tmp_path / "run", products="lr")
+  with pytest.raises(ValueError, match="adam_preconditioner: the optimiser state holds 0"):
+    gl.adam_preconditioner(optax.sgd(0.1).init(params))
+
+
+def test_per_example_products_are_those_of_vmap_grad_for_hand_marked_layers():
+  def loss(p, x):
+    h = jnp.tanh(gl.dense(x, p["w1"], p["b1"], name="fc1"))
+    return jnp.mean(gl.dense(h, p["w2"], name="fc2") ** 2)
+
+  params = {"w1": jax.random.normal(jax.random.PRNGKey(0), (3, 4)), "b1": jnp.ones(4),
+            "w2": jax.random.normal(jax.random.PRNGKey(1), (4, 2))}
+  direction = jax.tree.map(lambda p: jnp.cos(jnp.arange(p.size).reshape(p.shape)), params)
+  x = jax.random.normal(jax.random.PRNGKey(2), (5, 3))
+  per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, x[:, None])
+  expected = _flat(per_example) @ _flat(jax.tree.map(lambda d: d[None], direction))[0]
+
+  @jax.jit  # The step hands the recorded weights through: found among params' leaves.
+  def products(params, x, direction):
+    return gl.per_example_products(gl.reap(jax.grad(loss))(params, x), direction,
+                                   params=params)
+
+  np.testing.assert_allclose(products(params, x, direction), expected, rtol=1e-5)
+  where = {"w1": "fc1.w", "b1": "fc1.b", "w2": "fc2.w"}
+  records = gl.reap(jax.grad(loss))(params, x)
+  np.testing.assert_allclose(
+      gl.per_example_products(records, direction, params=params, where=where), expected,
+      rtol=1e-5)
+  with pytest.raises(ValueError, match=r"per_example_products: the layer records \['fc1', "
+                     r"'fc2'\] have a weight or bias that is not a leaf"):
+    gl.per_example_products(records, direction)
 
 
 def test_influence_from_a_run_is_fit_influence_with_the_same_projection(tmp_path):
