@@ -23,12 +23,16 @@ Every example id is shown with what the run said of that example
 
 Sharp edges:
   * The keys are `gl.tracin`'s defaults; a run logged under other keys has no page.
-  * Examples are shown by their ids and described columns only: no images.
+  * Images (`describe_examples(images=...)`) are drawn on the page only, each
+    scaled to its own range; the command line shows ids and columns.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
 import html
+import io
 import os
 from typing import Any
 
@@ -71,15 +75,48 @@ def _example(i: int, described: dict[str, list]) -> str:
   return f"{i} [{', '.join(parts)}]" if parts else str(i)
 
 
-def _examples(ids, values, described: dict[str, list]) -> str:
-  return ", ".join(f"{_example(int(i), described)} ({v:+.3g})" for i, v in zip(ids, values))
+class _Html(str):
+  """A table cell's HTML, written as it is (other cells are escaped)."""
 
 
-def _own(spike, described: dict[str, list]) -> str:
+def _examples(ids, values, described: dict[str, list], thumbnail=None) -> str:
+  """Examples with their values, as text; as HTML with each one's image in front
+  where `thumbnail(i)` draws it."""
+  items = [f"{_example(int(i), described)} ({v:+.3g})" for i, v in zip(ids, values)]
+  if thumbnail is None:
+    return ", ".join(items)
+  return _Html(", ".join(thumbnail(int(i)) + html.escape(item)
+                         for i, item in zip(ids, items)))
+
+
+def _own(spike, described: dict[str, list], thumbnail=None) -> str:
   """The spiking batch's own examples, or how to have them named."""
   if spike.own_ids is None:
     return "(log each step's per-example 'losses' to name them)"
-  return _examples(spike.own_ids[:_SHOWN], spike.own_shares[:_SHOWN], described)
+  return _examples(spike.own_ids[:_SHOWN], spike.own_shares[:_SHOWN], described, thumbnail)
+
+
+def _thumbnails(dataset, plt):
+  """`thumbnail(i)`: example i's image (`RunLog.describe_examples(images=...)`) as an
+  inline PNG, `""` for an example without one; `None` for a run without images."""
+  path = dataset.attrs.get("examples_images")
+  if not path or not os.path.exists(path):
+    return None
+  images = np.load(path)
+
+  @functools.lru_cache(maxsize=None)
+  def thumbnail(i: int) -> str:
+    if not 0 <= i < len(images):
+      return ""
+    image = images[i].astype(np.float64)
+    image = (image - image.min()) / (np.ptp(image) or 1.0)
+    buffer = io.BytesIO()
+    plt.imsave(buffer, image, cmap="gray", vmin=0.0, vmax=1.0, format="png")
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return (f"<img alt='example {i}' src='data:image/png;base64,{data}' style='height:"
+            "2.4em;image-rendering:pixelated;vertical-align:middle;margin-right:.2em'>")
+
+  return thumbnail
 
 
 def attribution_text(dataset, *, top: int = 5) -> str:
@@ -113,7 +150,8 @@ def attribution_text(dataset, *, top: int = 5) -> str:
 
 def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
   head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-  body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+  cell = lambda v: v if isinstance(v, _Html) else html.escape(str(v))
+  body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in row) + "</tr>"
                  for row in rows)
   return f"<div class='table'><table><tr>{head}</tr>{body}</table></div>"
 
@@ -127,6 +165,7 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
   from oryx_gradlog.storage import _report  # pylint: disable=import-outside-toplevel
   found = _findings(dataset, top)
   described = found["described"]
+  thumbnail = _thumbnails(dataset, plt)
   sections = []
   if "loss" in dataset:
     steps = np.asarray(dataset["step"].values)
@@ -155,8 +194,8 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
         "mislabelled examples): its own examples are ranked by their share of the rise, "
         "(loss - baseline) / B, from the per-example losses the run logged."))
     rows = [(s.step, f"{s.rise:+.4g}", s.cause, f"{s.explained:+.4g}",
-             _examples(s.ids[:_SHOWN], s.contributions[:_SHOWN], described),
-             _own(s, described)) for s in spikes]
+             _examples(s.ids[:_SHOWN], s.contributions[:_SHOWN], described, thumbnail),
+             _own(s, described, thumbnail)) for s in spikes]
     sections[-1] = sections[-1]._replace(body=sections[-1].body + _table(
         ("step", "rise", "update of step", "explained", "its examples (share)",
          "the batch's own examples (share)"), rows))
@@ -169,13 +208,15 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
         "the examples training kept pushing against (mislabelled or unusual ones are "
         "often among them).</p>" +
         _table(("example", "self-influence"),
-               [(_example(int(i), described), f"{own[i]:.4g}") for i in order])))
+               [(_Html(thumbnail(int(i)) + html.escape(_example(int(i), described)))
+                 if thumbnail else _example(int(i), described), f"{own[i]:.4g}")
+                for i in order])))
   if "scores" in found:
     rows = []
     for q, row in enumerate(found["scores"]):
       best, worst = np.argsort(-row, kind="stable"), np.argsort(row, kind="stable")
-      rows.append((q, _examples(best[:_SHOWN], row[best[:_SHOWN]], described),
-                   _examples(worst[:_SHOWN], row[worst[:_SHOWN]], described)))
+      rows.append((q, _examples(best[:_SHOWN], row[best[:_SHOWN]], described, thumbnail),
+                   _examples(worst[:_SHOWN], row[worst[:_SHOWN]], described, thumbnail)))
     sections.append(_report.Section(
         "queries", "Each query's most helpful and most harmful training examples",
         "<p>TracIn over the logged steps: sum of lr &lt;g(query), g(example)&gt; "

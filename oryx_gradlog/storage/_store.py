@@ -115,6 +115,8 @@ MARKS = "_commit/steps"  # One committed-step mark per process, in many-process 
 _MANY_PROCESS_CAPACITY = 2**40  # Steps; chunks not written take no space.
 _STOP, _FLUSH = object(), object()
 _TEXT_LENGTH = 80  # Characters of a text kept by `RunLog.describe_examples`.
+IMAGES_NAME = "examples_images.npy"  # `describe_examples(images=...)`, beside the store.
+_IMAGE_SIDE = 64  # The largest side of an image kept as an example's thumbnail.
 
 
 class _Describe(NamedTuple):
@@ -122,6 +124,7 @@ class _Describe(NamedTuple):
   the store's attributes while the run goes on."""
 
   columns: dict[str, list]
+  images: np.ndarray | None = None
 
 
 def _require(module: str, api: str):
@@ -476,21 +479,26 @@ class RunLog:
       self._last_step = number
     return number
 
-  def describe_examples(self, **columns: Sequence[Any]) -> None:
+  def describe_examples(self, *, images: Any = None, **columns: Sequence[Any]) -> None:
     """Saves what each example is, once for the run: columns indexed by example id.
 
     The attribution page of `gl.report` and `python -m oryx_gradlog attribute` show
     them beside every example id (the ids logged under `"ids"`); `open_run(run_dir)
     .attrs["examples"]` gives them back. Values are numbers or short texts (texts
-    are cut to 80 characters); a call replaces the columns of an earlier one.
+    are cut to 80 characters); small images (digits, thumbnails) are drawn beside
+    the ids on the page. A call replaces what an earlier one saved.
 
     Args:
+      images: optional, `(N, H, W)` or `(N, H, W, 3)` images of at most 64 x 64,
+        the example with id `i` at index `i` (saved beside the store,
+        `open_run(run_dir).attrs["examples_images"]` is its path).
       **columns: per column name (`label`, `text`, ...), one value per example, the
         example with id `i` at index `i`.
 
     Raises:
-      ValueError: no column, columns of different lengths, or a value that is not a
-        number, a boolean or a string. Nothing is saved and the log carries on.
+      ValueError: nothing given, columns of different lengths, a value that is not a
+        number, a boolean or a string, or images of another shape. Nothing is saved
+        and the log carries on.
 
     Example:
       >>> import tempfile, numpy as np, oryx_gradlog as gl
@@ -503,10 +511,20 @@ class RunLog:
     """
     api = f"RunLog({self.run_dir!r}).describe_examples"
     self._raise_if_failed("describe_examples")
-    if not columns:
+    if not columns and images is None:
       raise ValueError(f"{api}: give at least one column, e.g. describe_examples("
                        "label=labels) with one label per example id.")
+    if images is not None:
+      images = np.asarray(images)
+      if not (images.ndim == 3 or images.ndim == 4 and images.shape[-1] == 3) or max(
+          images.shape[1:3]) > _IMAGE_SIDE:
+        raise ValueError(
+            f"{api}(images=...): images are (N, H, W) or (N, H, W, 3) with H and W at "
+            f"most {_IMAGE_SIDE}, got shape {images.shape}; pass small thumbnails "
+            "(e.g. images[:, ::4, ::4]).")
     lengths = {name: len(values) for name, values in columns.items()}
+    if images is not None:
+      lengths["images"] = len(images)
     if len(set(lengths.values())) > 1:
       raise ValueError(f"{api}: the columns have different lengths {lengths}; give each "
                        "one value per example, the example with id i at index i.")
@@ -523,7 +541,7 @@ class RunLog:
                            "values are numbers, booleans or short texts (str).")
         column.append(value)
       saved[name] = column
-    self._queue.put(_Describe(saved))
+    self._queue.put(_Describe(saved, images))
 
   def flush(self) -> int:
     """Writes every step appended so far and waits; returns the committed step count.
@@ -587,6 +605,11 @@ class RunLog:
           elif isinstance(item, _Describe):
             if self._process == 0:
               self._root.attrs["examples"] = item.columns
+              path = os.path.join(self.run_dir, IMAGES_NAME)
+              if item.images is not None:
+                np.save(path, item.images)
+              elif os.path.exists(path):
+                os.remove(path)
           else:
             self._stage(*item)
       except BaseException as error:  # noqa: BLE001  (reported to the training thread)
@@ -869,6 +892,9 @@ def open_run(run_dir: str | os.PathLike):
     dataset = dataset.assign_coords(step=dataset["step"].values)
   keys = {name: dataset[name].attrs.pop("key") for name in dataset.data_vars
           if "key" in dataset[name].attrs}
+  images = os.path.join(os.path.dirname(path), IMAGES_NAME)
+  if os.path.exists(images):
+    dataset.attrs["examples_images"] = images
   return dataset.rename_vars(keys)
 
 

@@ -377,10 +377,26 @@ def test_described_examples_are_shown_beside_their_ids(tmp_path):
   text = _attribution_page.attribution_text(run)
   assert (f"highest TracIn self-influence: {top} [label {labels[top]}, text "
           f"{texts[top][:80]!r}] ({own[top]:+.3g})") in text
+  # Images: drawn beside the ids on the report's attribution page.
+  pytest.importorskip("matplotlib")
+  images = np.arange(N * 8 * 8, dtype=np.float32).reshape(N, 8, 8) % 7
+  with gl.RunLog(tmp_path / "run", resume=True) as log:
+    log.describe_examples(label=labels, images=images)
+  run = gl.open_run(tmp_path / "run")
+  np.testing.assert_array_equal(np.load(run.attrs["examples_images"]), images)
+  index = gl.report(tmp_path / "run", progress=False)
+  page = open(os.path.join(os.path.dirname(index), "attribution.html"),
+              encoding="utf-8").read()
+  assert f"<tr><td><img alt='example {top}' src='data:image/png;base64," in page
+  assert f"'>{top} [label {labels[top]}]</td><td>{own[top]:.4g}</td></tr>" in page
   with gl.RunLog(tmp_path / "bad") as log:
     with pytest.raises(ValueError, match=r"describe_examples: the columns have different "
                        r"lengths \{'label': 12, 'text': 3\}"):
       log.describe_examples(label=labels, text=texts[:3])
+    with pytest.raises(ValueError, match=r"describe_examples\(images=...\): images are "
+                       r"\(N, H, W\) or \(N, H, W, 3\) with H and W at most 64, got "
+                       r"shape \(12, 100, 100\)"):
+      log.describe_examples(images=np.zeros((N, 100, 100)))
     with pytest.raises(ValueError, match=r"describe_examples: label\[0\] is list"):
       log.describe_examples(label=[[1, 2]])
     log.append(0, {"loss": np.float32(1.0)})  # The log carries on.
