@@ -240,8 +240,7 @@ def report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None,
     (scalars if values.ndim == 1 else arrays)[name] = (values, label)
   # A record logged whole beside its per-example summaries: its rows' norms are the
   # per-example norm panel's, so it gets no panel of its own.
-  per_example = {_record_name(g) for g in groups
-                 if "example" in dataset[f"{g}.norm"].dims}
+  per_example = {_record_name(g) for g in _per_example_groups(dataset, groups)}
   whole = sorted(n for n in arrays if n.endswith(".full") and n[:-5] in per_example)
   arrays = {n: v for n, v in arrays.items() if n not in whole}
   sections, plotted = scalar_sections(dataset, {n: v for n, (v, _) in scalars.items()},
@@ -405,6 +404,12 @@ def _scalar_figure(plt, steps: np.ndarray, named: Sequence[tuple[str, np.ndarray
 # The summaries: cotangent norms, histograms, per-example norms, non-finite counts.
 
 
+def _per_example_groups(dataset, groups) -> list[str]:
+  """The summary groups logged per example (their norms have an `example` axis): the
+  per-example norm panel's, and the records whose whole `*.full` it stands for."""
+  return [g for g in groups if "example" in dataset[f"{g}.norm"].dims]
+
+
 def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[Section]:
   """The sections of the summaries: cotangent norms, one histogram per distinct
   record, per-example norms, non-finite counts, and the table of the last step."""
@@ -458,7 +463,7 @@ def summary_sections(dataset, groups, out_dir, plt, tqdm, progress) -> list[Sect
   per_example = _distinct([
       (_label(g), _reduce(data[g]["norm"], ("step", "example"), "mean")
        .transpose("step", "example").values)
-      for g in groups if "example" in data[g]["norm"].dims])
+      for g in _per_example_groups(dataset, groups)])
   if per_example:
     image = save_figure(functools.partial(_bands_figure, plt, steps,
                                     [(_equal(n), v) for n, v in per_example],
@@ -568,9 +573,8 @@ def _bin_tick(edges: np.ndarray, boundary: int) -> str:
   if not 0 < boundary <= edges.size:
     return _bin_edge(edges, boundary)
   edge = edges[boundary - 1]
-  exponent = np.log2(edge) if edge > 0 else 0.5
-  if exponent == round(exponent):
-    return f"$2^{{{int(exponent)}}}$"
+  if edge > 0 and np.log2(edge) == round(np.log2(edge)):
+    return f"$2^{{{int(np.log2(edge))}}}$"
   return f"{edge:.1e}"
 
 

@@ -12,6 +12,9 @@ Sharp edges:
   * A batch of one example is recorded as two copies of it and the copy dropped:
     `gl.record_layers` tells the batch axis from a batch of two, and a loss such as
     optax's cross-entropy traces differently with one example.
+  * What is compiled for a loss (the check of its mean, the passes, the steps of
+    `Influence`) is kept for the last 16 losses where the loss is hashable (a
+    function); a loss that is not (an Equinox module's call) compiles anew each call.
 """
 
 from __future__ import annotations
@@ -48,6 +51,26 @@ def as_args(api: str, batch: Any, where: str) -> tuple:
     raise ValueError(f"{api}: the arrays of {where} hold different numbers of examples "
                      f"({found}). {_FORM}, as many in each.")
   return args
+
+
+def _hashable(value: Any) -> bool:
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
+
+
+def kept_per_loss(cached: Callable, *args: Any) -> Any:
+  """`cached(*args)`, a `functools.lru_cache`d function of a loss: kept across calls
+  where the arguments are hashable, made anew for this call where they are not."""
+  return cached(*args) if _hashable(args) else cached.__wrapped__(*args)
+
+
+def cache_key(fun: Callable) -> Any:
+  """`fun` as a key of a cache that lives no longer than it: itself where hashable,
+  else its id."""
+  return fun if _hashable(fun) else id(fun)
 
 
 def positions(argnums: int, batch_argnums: int | Sequence[int] | None, n_args: int

@@ -191,8 +191,10 @@ def _whole_and_mean(loss, argnums, positions, params, others, examples):
           jnp.mean(each(params, others, examples)))
 
 
-# One program, compiled once a loss (a hashable one: a function; else once a call).
-_whole_and_mean_of = jax.jit(_whole_and_mean, static_argnums=(0, 1, 2))
+@functools.lru_cache(maxsize=16)
+def _whole_and_mean_of(loss, argnums, positions) -> Callable:
+  """The check's program, compiled once a loss and shapes (`_batches.kept_per_loss`)."""
+  return jax.jit(functools.partial(_whole_and_mean, loss, argnums, positions))
 
 
 def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
@@ -201,19 +203,14 @@ def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
   positions = _batches.positions(argnums, batch_argnums, n_args)
   others = tuple(batch)
   examples = [others[i - (i > argnums)] for i in positions]
-  shape = jnp.shape(jax.eval_shape(functools.partial(_call, loss, argnums, positions),
-                                   params, others))
-  if shape:
+  check = _batches.kept_per_loss(_whole_and_mean_of, loss, argnums, positions)
+  whole, mean = check(params, others, examples)
+  if jnp.shape(whole):
     raise ValueError(
-        f"{api}: loss(params, *batch) returns an array of shape {shape} on the first "
-        "batch, not a number. Return the mean over the batch of the per-example losses, "
-        "e.g. jnp.mean(per_example_losses).")
-  try:
-    hash(loss)
-    check = functools.partial(_whole_and_mean_of, loss, argnums, positions)
-  except TypeError:  # A callable object that is not hashable (an Equinox module's).
-    check = jax.jit(functools.partial(_whole_and_mean, loss, argnums, positions))
-  whole, mean = (float(v) for v in check(params, others, examples))
+        f"{api}: loss(params, *batch) returns an array of shape {jnp.shape(whole)} on the "
+        "first batch, not a number. Return the mean over the batch of the per-example "
+        "losses, e.g. jnp.mean(per_example_losses).")
+  whole, mean = float(whole), float(mean)
   if not np.isclose(whole, mean, rtol=1e-4, atol=1e-6 * max(1.0, abs(mean))):
     raise ValueError(
         f"{api}: loss(params, *batch) is {whole:.6g} on the first batch but the mean of "
@@ -224,22 +221,21 @@ def _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums):
 
 class Pass:
   """What one batch gives each block (internal): `arrays` is jitted; the blocks'
-  layout (static) is kept when it is traced, in `layout` (the last trace's) and in
-  `layouts` by the shapes it was traced at. With a `Projector`, the blocks are those
-  of the projected gradients."""
+  layout (static) is kept when it is traced, in `layouts` by the shapes it was
+  traced at (`shapes(params, batch, projection)`). With a `Projector`, the blocks
+  are those of the projected gradients."""
 
   def __init__(self, gradients: Gradients, api: str):
     self.gradients, self.api = gradients, api
-    self.layout: dict[str, Layout] = {}
     self.layouts: dict[Any, dict[str, Layout]] = {}
 
   def arrays(self, params, batch, projection: Projector | None) -> dict[str, Any]:
     """Per block: Kronecker `(x, g)`, diagonal `(B, n)` per-example gradients, of
     the per-example losses."""
-    out, self.layout = self.gradients.arrays(params, batch)
+    out, layout = self.gradients.arrays(params, batch)
     if projection is not None:
-      out, self.layout = project(self.api, projection, out, self.layout)
-    self.layouts[shapes(params, batch, projection)] = self.layout
+      out, layout = project(self.api, projection, out, layout)
+    self.layouts[shapes(params, batch, projection)] = layout
     return out
 
 
@@ -319,10 +315,7 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
         fun = sampled_loss
         positions = _batches.positions(argnums, positions, len(batch) + 1)
       positions = tuple(positions) if isinstance(positions, list) else positions
-      try:
-        made.extend(passes_of(api, fun, argnums, positions))
-      except TypeError:  # A loss that is not hashable: a pass of this call's own.
-        made.extend(passes_of.__wrapped__(api, fun, argnums, positions))
+      made.extend(_batches.kept_per_loss(passes_of, api, fun, argnums, positions))
     if sampled_loss is not None:
       batch = batch + (jax.random.fold_in(label_key, i),)
     out = made[1](params, batch, projection)

@@ -46,7 +46,7 @@ from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.analyses.attribution._blocks import DIAGONAL, Gradients
 from oryx_gradlog.analyses.attribution._factors import (
     DiagonalBlock, FullBlock, InfluenceFactors, KroneckerBlock, divide, flat_grads, Pass,
-    rotated, block_shape, fit_factors)
+    rotated, block_shape, fit_factors, shapes)
 
 
 def fit_influence(
@@ -148,10 +148,8 @@ class Influence:
     self.argnums, self.batch_argnums = argnums, batch_argnums
     if isinstance(batch_argnums, list):
       batch_argnums = tuple(batch_argnums)
-    try:  # Shared by every Influence of this loss: a new one compiles nothing anew.
-      self._jitted = _steps_of(loss, argnums, batch_argnums)
-    except TypeError:  # A loss that is not hashable: steps of this Influence's own.
-      self._jitted = {}
+    # Shared by every Influence of this loss: a new one compiles nothing anew.
+    self._jitted = _batches.kept_per_loss(_steps_of, loss, argnums, batch_argnums)
 
   def __repr__(self) -> str:
     projected = "" if self.factors.projection is None else ", projected"
@@ -161,7 +159,7 @@ class Influence:
   def _preconditioned(self, fun: Callable, api: str):
     """A jitted `(params, batch) -> {block: (H + damping)^-1 g per example}` (in the
     blocks' rotated bases) for `fun`."""
-    key = ("pre", fun)
+    key = ("pre", _batches.cache_key(fun))
     if key not in self._jitted:
       gradients = self._rotated_gradients(fun, api)
 
@@ -176,7 +174,7 @@ class Influence:
     """`(factors, params, batch) -> {block: rotated per-example gradients}` of `fun`,
     made once per function and API (its record_layers trace is then shared by the
     queries' and the training examples' steps of `scores`)."""
-    key = ("gradients", fun, api)
+    key = ("gradients", _batches.cache_key(fun), api)
     if key not in self._jitted:
       self._jitted[key] = self._make_gradients(fun, api)
     return self._jitted[key]
@@ -187,9 +185,10 @@ class Influence:
     def gradients(factors, params, batch):
       out = {}
       arrays = passes.arrays(params, batch, factors.projection)
+      layouts = passes.layouts[shapes(params, batch, factors.projection)]
       bad = []
       for name, value in arrays.items():
-        layout = passes.layout[name]
+        layout = layouts[name]
         block = factors.blocks.get(name)
         keys = (name,) if layout.bias is None else (name, layout.bias)
         kind = (FullBlock if factors.strategy == "full" else

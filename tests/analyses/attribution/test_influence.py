@@ -477,3 +477,27 @@ def test_a_second_fit_and_scores_of_the_same_loss_and_shapes_compile_nothing(cap
   # Other shapes compile anew and are right: the queries one at a time.
   ones = [(x[N + i:N + i + 1], t[N + i:N + i + 1]) for i in range(Q)]
   _assert_scores(again.scores(ones, train, progress=False), expected, tol=1e-5)
+
+
+def test_a_loss_that_is_not_hashable_scores_as_the_same_function_does():
+  params, x, t, _, loss = _mlp()
+
+  class Loss:  # A callable object that is not hashable (as an Equinox module's).
+    __hash__ = None
+
+    def __call__(self, *args):
+      return loss(*args)
+
+  train, query = _batches(x[:N], t[:N]), _batches(x[N:], t[N:])
+  expected = gl.fit_influence(loss, params, train, progress=False).scores(
+      query, train, progress=False)
+  influence = gl.fit_influence(Loss(), params, train, progress=False)
+  np.testing.assert_allclose(influence.scores(query, train, progress=False), expected,
+                             rtol=1e-5, atol=1e-7 * np.abs(expected).max())
+  # Its self-influence and a projector of it, too.
+  np.testing.assert_allclose(
+      influence.self_influence(train, progress=False),
+      gl.fit_influence(loss, params, train, progress=False).self_influence(
+          train, progress=False), rtol=1e-5)
+  projector = gl.fit_projector(Loss(), params, train, k=2, init="pca")
+  assert set(projector.blocks) == set(gl.fit_projector(loss, params, train, k=2).blocks)
