@@ -15,7 +15,8 @@ def test_examples_are_found():
 
 # The examples that take 10 s or more (on 2 cores) are long checks; `make demo` runs
 # the first one, which a newcomer runs first.
-_SLOW = {"08_digits_training", "10_flax_nnx", "11_any_model_dp", "12_influence_digits"}
+_SLOW = {"08_digits_training", "10_flax_nnx", "11_any_model_dp", "12_influence_digits",
+         "13_stdlib_attribution"}
 _NEWCOMER = {"08_digits_training"}
 
 

@@ -1,0 +1,199 @@
+"""Which training text did this: a GPT trained on the Python standard library's source.
+
+The reference problem of attribution at the size people train (issue 52), with
+nothing to download: example 11's GPT (stock Flax NNX, nothing marked) learns the
+bytes of the standard library's own Python files (`sysconfig.get_paths()["stdlib"]`,
+files in sorted order; tests, `idlelib`, `lib2to3`, `site-packages` and caches left
+out: about 11 MB on Python 3.11, near WikiText-2's size). The bytes are the tokens (a
+vocabulary of 256, reproducible with no tokenizer), cut into sequences of `SEQ + 1`;
+every `QUERY_EVERY`-th sequence is held out as a query, as in Kronfluence's GPT-2 /
+WikiText-2 case (about 4,600 training sequences of 512 tokens and 481 queries).
+
+1. Training: Adam, a Python loop of jitted steps.
+2. `gl.fit_influence`: EK-FAC of every layer, from the training sequences.
+3. `Influence.scores`: every query against every training sequence, a block of
+   queries at a time (`query_block`: memory bounded by the block).
+4. For a few queries, the most helpful training sequences shown as what they are:
+   the file and line each starts at, and its first line of text.
+
+Each phase's time is printed apart (the first call of each compiles).
+
+Sizes (`--size`): `quick`, 2 blocks of width 64 on the first files (seconds: the test
+suite runs it); `small` (the default), 2 blocks of width 128, 512 training
+sequences, a CPU's minutes;
+`gpt2`, GPT-2-small's shape (12 blocks, width 768, 12 heads, sequence 512) on the
+whole corpus, for an accelerator (not yet run: see benchmarks/RESULTS.md).
+
+The check at the end: with `strategy="identity"`, the scores of a few queries and
+training sequences equal `vmap(grad)`'s gradient inner products.
+
+Run: python examples/13_stdlib_attribution.py [--quick | --size small|gpt2]
+"""
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import oryx_gradlog as gl
+
+SIZES = {  # depth, width, heads, sequence, training sequences, steps, batch
+    "quick": dict(depth=2, width=64, heads=2, seq=64, n_train=192, steps=60, batch=16),
+    "small": dict(depth=2, width=128, heads=4, seq=64, n_train=512, steps=200, batch=32),
+    "gpt2": dict(depth=12, width=768, heads=12, seq=512, n_train=4600, steps=2000, batch=8),
+}
+QUERY_EVERY = 10  # One sequence in ten is a query: 4,600 / 10 ~ 481 at GPT-2's size.
+SKIPPED = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
+
+
+def corpus(size: int):
+  """The standard library's Python files in sorted order, up to `size` bytes:
+  `(bytes as uint8, [(start byte, file name)])`."""
+  root = sysconfig.get_paths()["stdlib"]
+  chunks, starts, total = [], [], 0
+  for folder, folders, files in os.walk(root):
+    folders[:] = sorted(f for f in folders if f not in SKIPPED)
+    for name in sorted(files):
+      if not name.endswith(".py") or total >= size:
+        continue
+      data = pathlib.Path(folder, name).read_bytes()
+      starts.append((total, os.path.relpath(os.path.join(folder, name), root)))
+      chunks.append(data)
+      total += len(data)
+  return np.frombuffer(b"".join(chunks)[:size], np.uint8), starts
+
+
+def sequences(text: np.ndarray, starts, seq: int, n: int):
+  """`n` sequences of `seq + 1` bytes, cut one after another, and where each starts
+  (file name, line)."""
+  windows = text[: n * (seq + 1)].reshape(n, seq + 1).astype(np.int32)
+  offsets = np.arange(n) * (seq + 1)
+  file_starts = np.array([s for s, _ in starts])
+  where = []
+  for offset in offsets:
+    f = int(np.searchsorted(file_starts, offset, side="right")) - 1
+    line = 1 + int(np.count_nonzero(text[file_starts[f]:offset] == ord("\n")))
+    where.append((starts[f][1], line))
+  return windows, where
+
+
+def gpt_class():
+  """Example 11's GPT (stock Flax NNX modules), imported from its file."""
+  path = pathlib.Path(__file__).with_name("11_any_model_dp.py")
+  spec = importlib.util.spec_from_file_location("_any_model_example", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.GPT
+
+
+def make_loss(graphdef, rest):
+  def loss(params, inputs, targets):
+    """The mean over the batch of each sequence's mean next-byte loss."""
+    logits = nnx.merge(graphdef, params, rest)(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  return loss
+
+
+def train(loss, params, windows, steps: int, batch: int, seed: int = 0):
+  optimizer = optax.adam(3e-3)
+
+  @jax.jit
+  def step(params, state, rows):
+    value, grads = jax.value_and_grad(loss)(params, rows[:, :-1], rows[:, 1:])
+    updates, state = optimizer.update(grads, state)
+    return optax.apply_updates(params, updates), state, value
+
+  rng = np.random.default_rng(seed)
+  state, value = optimizer.init(params), None
+  for _ in range(steps):
+    rows = jnp.asarray(windows[rng.choice(len(windows), batch, replace=False)])
+    params, state, value = step(params, state, rows)
+  return params, float(value)
+
+
+def batches(windows, batch: int):
+  return [(windows[i:i + batch, :-1], windows[i:i + batch, 1:])
+          for i in range(0, len(windows), batch)]
+
+
+def first_line(window) -> str:
+  text = bytes(np.asarray(window, np.uint8)).decode("utf-8", "replace")
+  return text.strip().splitlines()[0][:60] if text.strip() else ""
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", choices=sorted(SIZES), default="small")
+  parser.add_argument("--quick", action="store_true", help="--size quick")
+  parser.add_argument("--run-dir", default=None, help="unused (the tests pass it)")
+  args = parser.parse_args()
+  size = SIZES["quick" if args.quick else args.size]
+  seq, n_train = size["seq"], size["n_train"]
+  n_all = n_train + n_train // (QUERY_EVERY - 1) + 1
+  text, starts = corpus(n_all * (seq + 1))
+  windows, where = sequences(text, starts, seq, n_all)
+  is_query = np.arange(n_all) % QUERY_EVERY == QUERY_EVERY - 1
+  train_windows, query_windows = windows[~is_query][:n_train], windows[is_query]
+  train_where = [w for w, q in zip(where, is_query) if not q][:n_train]
+  query_where = [w for w, q in zip(where, is_query) if q]
+  print(f"corpus: {len(starts)} files, {text.size / 1e6:.2f} MB; {len(train_windows)} "
+        f"training and {len(query_windows)} query sequences of {seq} bytes")
+
+  model = gpt_class()(256, seq, size["width"], size["heads"], size["depth"],
+                      rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss = make_loss(graphdef, rest)
+
+  started = time.perf_counter()
+  params, last = train(loss, params, train_windows, size["steps"], size["batch"])
+  times = {"train": time.perf_counter() - started}
+  print(f"trained {size['steps']} steps: loss {last:.3f} nats a byte")
+
+  started = time.perf_counter()
+  influence = gl.fit_influence(loss, params, batches(train_windows, size["batch"]),
+                               progress=False)
+  times["fit EK-FAC"] = time.perf_counter() - started
+  started = time.perf_counter()
+  scores = influence.scores(batches(query_windows, size["batch"]),
+                            batches(train_windows, size["batch"]),
+                            query_block=size["batch"], progress=False)
+  times["scores"] = time.perf_counter() - started
+  print("times (s, first calls compile): " + ", ".join(
+      f"{phase} {seconds:.1f}" for phase, seconds in times.items()))
+
+  helpful, _ = gl.Influence.top_k(scores, 3)
+  for q in range(3):
+    name, line = query_where[q]
+    print(f"query {q} ({name}:{line}): {first_line(query_windows[q])!r}")
+    for i in helpful[q]:
+      name, line = train_where[i]
+      print(f"  {scores[q, i]:+.3g}  {name}:{line}  {first_line(train_windows[i])!r}")
+
+  # The check: the identity strategy's scores are vmap(grad)'s gradient inner products.
+  few_q, few_t = query_windows[:2], train_windows[:4]
+  identity = gl.fit_influence(loss, params, batches(few_t, 4), strategy="identity",
+                              progress=False)
+  got = identity.scores(batches(few_q, 2), batches(few_t, 4), progress=False)
+
+  def per_example(rows):
+    one = lambda p, r: loss(p, r[None, :-1], r[None, 1:])
+    grads = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, jnp.asarray(rows))
+    return jnp.concatenate([g.reshape(len(rows), -1) for g in jax.tree.leaves(grads)], 1)
+
+  expected = np.asarray(per_example(few_q) @ per_example(few_t).T)
+  np.testing.assert_allclose(got, expected, rtol=2e-3, atol=1e-4 * np.abs(expected).max())
+  assert np.all(np.isfinite(scores)) and scores.shape == (len(query_windows), n_train)
+  print("check: identity scores equal vmap(grad) inner products; every query scored "
+        "against every training sequence")
+
+
+if __name__ == "__main__":
+  main()
