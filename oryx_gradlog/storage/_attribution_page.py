@@ -79,14 +79,18 @@ class _Html(str):
   """A table cell's HTML, written as it is (other cells are escaped)."""
 
 
-def _examples(ids, values, described: dict[str, list], thumbnail=None) -> str:
-  """Examples with their values, as text; as HTML with each one's image in front
-  where `thumbnail(i)` draws it."""
-  items = [f"{_example(int(i), described)} ({v:+.3g})" for i, v in zip(ids, values)]
+def _named(ids, texts, thumbnail=None) -> str:
+  """`texts` (one per example id) joined, as text; as HTML with each example's image
+  in front where `thumbnail(i)` draws it."""
   if thumbnail is None:
-    return ", ".join(items)
-  return _Html(", ".join(thumbnail(int(i)) + html.escape(item)
-                         for i, item in zip(ids, items)))
+    return ", ".join(texts)
+  return _Html(", ".join(thumbnail(int(i)) + html.escape(t) for i, t in zip(ids, texts)))
+
+
+def _examples(ids, values, described: dict[str, list], thumbnail=None) -> str:
+  """Examples with their values (`_named`)."""
+  return _named(ids, [f"{_example(int(i), described)} ({v:+.3g})"
+                      for i, v in zip(ids, values)], thumbnail)
 
 
 def _own(spike, described: dict[str, list], thumbnail=None) -> str:
@@ -208,8 +212,7 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
         "the examples training kept pushing against (mislabelled or unusual ones are "
         "often among them).</p>" +
         _table(("example", "self-influence"),
-               [(_Html(thumbnail(int(i)) + html.escape(_example(int(i), described)))
-                 if thumbnail else _example(int(i), described), f"{own[i]:.4g}")
+               [(_named([i], [_example(int(i), described)], thumbnail), f"{own[i]:.4g}")
                 for i in order])))
   if "scores" in found:
     rows = []

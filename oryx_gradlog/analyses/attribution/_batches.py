@@ -63,7 +63,9 @@ def _hashable(value: Any) -> bool:
 
 def kept_per_loss(cached: Callable, *args: Any) -> Any:
   """`cached(*args)`, a `functools.lru_cache`d function of a loss: kept across calls
-  where the arguments are hashable, made anew for this call where they are not."""
+  where the arguments are hashable (a list, `batch_argnums=[1, 2]`, taken as its
+  tuple), made anew for this call where they are not."""
+  args = tuple(tuple(a) if isinstance(a, list) else a for a in args)
   return cached(*args) if _hashable(args) else cached.__wrapped__(*args)
 
 

@@ -314,7 +314,6 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
       if sampled_loss is not None:
         fun = sampled_loss
         positions = _batches.positions(argnums, positions, len(batch) + 1)
-      positions = tuple(positions) if isinstance(positions, list) else positions
       made.extend(_batches.kept_per_loss(passes_of, api, fun, argnums, positions))
     if sampled_loss is not None:
       batch = batch + (jax.random.fold_in(label_key, i),)

@@ -146,8 +146,6 @@ class Influence:
                argnums: int = 0, batch_argnums: int | Sequence[int] | None = None):
     self.loss, self.params, self.factors = loss, params, factors
     self.argnums, self.batch_argnums = argnums, batch_argnums
-    if isinstance(batch_argnums, list):
-      batch_argnums = tuple(batch_argnums)
     # Shared by every Influence of this loss: a new one compiles nothing anew.
     self._jitted = _batches.kept_per_loss(_steps_of, loss, argnums, batch_argnums)
 
