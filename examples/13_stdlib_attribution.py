@@ -11,8 +11,9 @@ WikiText-2 case (about 4,600 training sequences of 512 tokens and 481 queries).
 
 1. Training: Adam, a Python loop of jitted steps.
 2. `gl.fit_influence`: EK-FAC of every layer, from the training sequences.
-3. `Influence.scores`: every query against every training sequence, a block of
-   queries at a time (`query_block`: memory bounded by the block).
+3. `Influence.scores`: every query against every training sequence, each query's
+   preconditioned gradient kept as rank-r factors per layer (`query_rank`), so all
+   the queries are held at once and the training sequences are read once.
 4. For a few queries, the most helpful training sequences shown as what they are:
    the file and line each starts at, and its first line of text.
 
@@ -20,14 +21,17 @@ Each phase's time is printed apart (the first call of each compiles).
 
 Sizes (`--size`): `quick`, 2 blocks of width 64 on the first files (seconds: the test
 suite runs it); `small` (the default), 2 blocks of width 128, 512 training
-sequences, a CPU's minutes;
-`gpt2`, GPT-2-small's shape (12 blocks, width 768, 12 heads, sequence 512) on the
-whole corpus, for an accelerator (not yet run: see benchmarks/RESULTS.md).
+sequences, a CPU's minute; `medium`, 4 blocks of width 256, sequence 128, 2,048
+training sequences, a CPU's quarter hour; `gpt2`, GPT-2-small's shape (12 blocks,
+width 768, 12 heads, sequence 512) on the whole corpus, for an accelerator (not yet
+run: see benchmarks/RESULTS.md).
 
-The check at the end: with `strategy="identity"`, the scores of a few queries and
-training sequences equal `vmap(grad)`'s gradient inner products.
+The checks at the end: the low-rank scores of a few queries against their whole
+gradients' (Spearman per query); with `strategy="identity"`, the scores of a few
+queries and training sequences equal `vmap(grad)`'s gradient inner products.
 
-Run: python examples/13_stdlib_attribution.py [--quick | --size small|gpt2]
+Run: python examples/13_stdlib_attribution.py [--quick | --size small|medium|gpt2]
+     [--query-rank R]
 """
 
 import argparse
@@ -45,10 +49,15 @@ from flax import nnx
 
 import oryx_gradlog as gl
 
-SIZES = {  # depth, width, heads, sequence, training sequences, steps, batch
-    "quick": dict(depth=2, width=64, heads=2, seq=64, n_train=192, steps=60, batch=16),
-    "small": dict(depth=2, width=128, heads=4, seq=64, n_train=512, steps=200, batch=32),
-    "gpt2": dict(depth=12, width=768, heads=12, seq=512, n_train=4600, steps=2000, batch=8),
+SIZES = {  # depth, width, heads, sequence, training sequences, steps, batch, query rank
+    "quick": dict(depth=2, width=64, heads=2, seq=64, n_train=192, steps=60, batch=16,
+                  rank=8),
+    "small": dict(depth=2, width=128, heads=4, seq=64, n_train=512, steps=200, batch=32,
+                  rank=16),
+    "medium": dict(depth=4, width=256, heads=4, seq=128, n_train=2048, steps=300,
+                   batch=32, rank=32),
+    "gpt2": dict(depth=12, width=768, heads=12, seq=512, n_train=4600, steps=2000,
+                 batch=8, rank=32),
 }
 QUERY_EVERY = 10  # One sequence in ten is a query: 4,600 / 10 ~ 481 at GPT-2's size.
 SKIPPED = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
@@ -124,6 +133,11 @@ def batches(windows, batch: int):
           for i in range(0, len(windows), batch)]
 
 
+def _spearman(a, b) -> float:
+  rank = lambda v: np.argsort(np.argsort(v))
+  return float(np.corrcoef(rank(a), rank(b))[0, 1])
+
+
 def first_line(window) -> str:
   text = bytes(np.asarray(window, np.uint8)).decode("utf-8", "replace")
   return text.strip().splitlines()[0][:60] if text.strip() else ""
@@ -133,9 +147,12 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", choices=sorted(SIZES), default="small")
   parser.add_argument("--quick", action="store_true", help="--size quick")
+  parser.add_argument("--query-rank", type=int, default=None,
+                      help="the queries' rank per layer (default: the size's)")
   parser.add_argument("--run-dir", default=None, help="unused (the tests pass it)")
   args = parser.parse_args()
   size = SIZES["quick" if args.quick else args.size]
+  rank = args.query_rank or size["rank"]
   seq, n_train = size["seq"], size["n_train"]
   n_all = n_train + n_train // (QUERY_EVERY - 1) + 1
   text, starts = corpus(n_all * (seq + 1))
@@ -163,9 +180,9 @@ def main():
   times["fit EK-FAC"] = time.perf_counter() - started
   started = time.perf_counter()
   scores = influence.scores(batches(query_windows, size["batch"]),
-                            batches(train_windows, size["batch"]),
-                            query_block=size["batch"], progress=False)
-  times["scores"] = time.perf_counter() - started
+                            batches(train_windows, size["batch"]), query_rank=rank,
+                            progress=False)
+  times[f"scores (rank {rank})"] = time.perf_counter() - started
   print("times (s, first calls compile): " + ", ".join(
       f"{phase} {seconds:.1f}" for phase, seconds in times.items()))
 
@@ -176,6 +193,14 @@ def main():
     for i in helpful[q]:
       name, line = train_where[i]
       print(f"  {scores[q, i]:+.3g}  {name}:{line}  {first_line(train_windows[i])!r}")
+
+  # The low rank against the whole gradients, for a few queries.
+  few = min(8, len(query_windows))
+  whole = influence.scores(batches(query_windows[:few], few),
+                           batches(train_windows, size["batch"]), progress=False)
+  rho = [_spearman(a, b) for a, b in zip(scores[:few], whole)]
+  print(f"rank {rank} against whole query gradients, {few} queries: Spearman per query "
+        f"min {min(rho):.3f}, median {np.median(rho):.3f}")
 
   # The check: the identity strategy's scores are vmap(grad)'s gradient inner products.
   few_q, few_t = query_windows[:2], train_windows[:4]

@@ -6,6 +6,8 @@
   EK-FAC, the full Fisher, none: plain gradient products), `InfluenceFactors`;
 * `_influence.py`: influence functions (`fit_influence`, `Influence`): scores,
   self-influence, the most helpful and harmful examples;
+* `_low_rank.py`: queries' preconditioned gradients as low-rank factors, scored
+  from the training examples' records (`Influence.scores(query_rank=...)`);
 * `_projection.py`: LoGra's projected per-example gradients (`fit_projector`,
   `projected_grads`), small enough to log at every training step;
 * `_from_run.py`: from such a log, TracIn, influence and the examples behind a

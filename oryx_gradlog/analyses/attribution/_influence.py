@@ -23,6 +23,9 @@ Sharp edges:
     one training batch's (`batch x n_params`), plus the `(n_query, n_train)`
     result; diagonal blocks form each batch's per-example gradients of their
     parameters. Each block of queries reads the training batches once more.
+    With `query_rank=r` a query's dense or convolution layer takes `r (d_in +
+    d_out)` floats (GPT-2 small's linear layers at `r = 32`: 21 MiB a query), so
+    every query fits at once and the training batches are read once.
   * The eigenvalues are fitted at the parameters given to `fit_influence`, which
     `Influence` keeps; scores are gradients at those parameters.
   * Compiled once: the steps of `fit_influence` and `Influence` are kept per loss
@@ -42,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oryx_gradlog.analyses import _common
-from oryx_gradlog.analyses.attribution import _batches
-from oryx_gradlog.analyses.attribution._blocks import DIAGONAL, Gradients
+from oryx_gradlog.analyses.attribution import _batches, _low_rank
+from oryx_gradlog.analyses.attribution._blocks import DIAGONAL, KRONECKER, Gradients
 from oryx_gradlog.analyses.attribution._factors import (
     DiagonalBlock, FullBlock, InfluenceFactors, KroneckerBlock, divide, flat_grads, Pass,
     rotated, block_shape, fit_factors, shapes)
@@ -154,23 +157,29 @@ class Influence:
     return (f"Influence(strategy={self.factors.strategy!r}{projected}, blocks="
             f"{sorted(self.factors.blocks)})")
 
-  def _preconditioned(self, fun: Callable, api: str):
-    """A jitted `(params, batch) -> {block: (H + damping)^-1 g per example}` (in the
-    blocks' rotated bases) for `fun`."""
-    key = ("pre", _batches.cache_key(fun))
+  def _preconditioned(self, fun: Callable, api: str, rank: int | None = None):
+    """A jitted `(factors, params, batch) -> {block: (H + damping)^-1 g per example}`
+    (in the blocks' rotated bases) for `fun`; with `rank`, a dense or convolution
+    block's marked `Whole`, for `_low_rank.factorized`."""
+    key = ("pre", _batches.cache_key(fun), rank)
     if key not in self._jitted:
       gradients = self._rotated_gradients(fun, api)
 
       def pre(factors, params, batch):
-        out = gradients(factors, params, batch)
-        return {name: divide(factors, name, value) for name, value in out.items()}
+        out, layouts = gradients(factors, params, batch)
+        out = {name: divide(factors, name, value) for name, value in out.items()}
+        if rank is None or factors.strategy == "full":
+          return out
+        return {name: _low_rank.Whole(value) if layouts[name].kind == KRONECKER else value
+                for name, value in out.items()}
 
       self._jitted[key] = jax.jit(pre)
     return self._jitted[key]
 
   def _rotated_gradients(self, fun: Callable, api: str):
-    """`(factors, params, batch) -> {block: rotated per-example gradients}` of `fun`,
-    made once per function and API (its record_layers trace is then shared by the
+    """`(factors, params, batch, raw=()) -> ({block: rotated per-example gradients},
+    {block: Layout})` of `fun` (the blocks in `raw` as their records `(x, g)`), made
+    once per function and API (its record_layers trace is then shared by the
     queries' and the training examples' steps of `scores`)."""
     key = ("gradients", _batches.cache_key(fun), api)
     if key not in self._jitted:
@@ -180,7 +189,7 @@ class Influence:
   def _make_gradients(self, fun: Callable, api: str):
     passes = Pass(Gradients(api, fun, self.argnums, self.batch_argnums), api)
 
-    def gradients(factors, params, batch):
+    def gradients(factors, params, batch, raw=()):
       out = {}
       arrays = passes.arrays(params, batch, factors.projection)
       layouts = passes.layouts[shapes(params, batch, factors.projection)]
@@ -199,7 +208,7 @@ class Influence:
         elif kind is FullBlock:  # Rotated, as a `(S, B, D, 1)` Kronecker-like array.
           flat = flat_grads(layout, value)
           out[name] = _common.dot("sbd,sde->sbe", flat, block.q.astype(flat.dtype))[..., None]
-        elif layout.kind == DIAGONAL:
+        elif layout.kind == DIAGONAL or name in raw:
           out[name] = value
         else:
           out[name] = rotated(block, layout, value, rotate=factors.strategy != "identity")
@@ -209,7 +218,7 @@ class Influence:
             f"as they are used here (blocks: {sorted(factors.blocks)}; a parameter used "
             "once more, or a different model, changes them). Score with the loss, "
             "parameters and model that fit_influence was given.")
-      return out
+      return out, layouts
 
     return gradients
 
@@ -219,11 +228,13 @@ class Influence:
       gradients = self._rotated_gradients(self.loss, api)
 
       def score(factors, params, batch, queries):
-        train = gradients(factors, params, batch)
+        raw = tuple(name for name, q in queries.items() if isinstance(q, _low_rank.LowRank))
+        train, _ = gradients(factors, params, batch, raw)
         total = 0.0
         for name, q in queries.items():
           t = train[name]
-          total = total + (_common.dot("sqio,stio->qt", q, t) if q.ndim == 4
+          total = total + (_low_rank.scores(q, *t) if name in raw else
+                           _common.dot("sqio,stio->qt", q, t) if q.ndim == 4
                            else _common.dot("qn,tn->qt", q, t))
         return total
 
@@ -233,7 +244,8 @@ class Influence:
   def scores(self, query_batches: Iterable[Sequence[Any]],
              train_batches: Iterable[Sequence[Any]], *,
              measurement: Callable | None = None,
-             query_block: int | None = None, progress: bool = True) -> np.ndarray:
+             query_block: int | None = None, query_rank: int | None = None,
+             progress: bool = True) -> np.ndarray:
     """Returns `(n_query, n_train)`: `g_q^T (H + damping)^-1 g_t` per pair.
 
     Args:
@@ -246,6 +258,14 @@ class Influence:
         a larger batch is a block of its own), each block reading the training
         batches again (then re-iterable), to bound memory (see the module
         docstring); `None`: every query at once.
+      query_rank: keep each query's preconditioned gradient of a dense or
+        convolution layer as its best rank-`query_rank` approximation `a b^T`
+        (Kronfluence's `query_gradient_low_rank`; 32-64 for a language model),
+        `query_rank x (d_in + d_out)` numbers instead of `d_in x d_out`, scored
+        against the training examples' layer records without forming their
+        gradients in the curvature's eigenbasis (`_low_rank.py`): all the queries
+        of a large model fit at once, and the training batches are read once.
+        Exact where `query_rank + 10 >= min(d_in, d_out)`; `None`: whole gradients.
       progress: show a progress bar of each pass over the training batches.
 
     Returns:
@@ -257,16 +277,19 @@ class Influence:
                                     or isinstance(query_block, bool) or query_block < 1):
       raise ValueError(f"{api}(query_block={query_block!r}): give a positive number of "
                        "queries, or None for all at once.")
+    if query_rank is not None and (not isinstance(query_rank, int)
+                                   or isinstance(query_rank, bool) or query_rank < 1):
+      raise ValueError(f"{api}(query_rank={query_rank!r}): give a positive rank, or None "
+                       "for the queries' whole gradients.")
     if query_block is not None and iter(train_batches) is train_batches:
       raise TypeError(f"{api}: `train_batches` is an iterator, which the first block of "
                       "queries would exhaust; pass a list (or another re-iterable).")
-    pre = self._preconditioned(measurement or self.loss, api)
+    pre = self._preconditioned(measurement or self.loss, api, query_rank)
     score = self._scored(api)
-    axis = lambda v: 1 if v.ndim == 4 else 0
+    joined = lambda *v: jnp.concatenate(v, axis=1 if v[0].ndim == 4 else 0)
 
     def rows(parts):
-      queries = {name: jnp.concatenate([p[name] for p in parts], axis=axis(parts[0][name]))
-                 for name in parts[0]}
+      queries = jax.tree.map(joined, *parts)
       shown = _batches.progress(train_batches, f"{api}: training batches", progress)
       columns = [np.asarray(score(self.factors, self.params,
                                   _batches.as_args(api, b, f"train_batches[{i}]"), queries))
@@ -282,7 +305,9 @@ class Influence:
       if parts and query_block is not None and held + size > query_block:
         blocks.append(rows(parts))
         parts, held = [], 0
-      parts.append(pre(self.factors, self.params, batch))
+      part = pre(self.factors, self.params, batch)
+      parts.append(part if query_rank is None else
+                   _low_rank.factorized(part, self.factors.blocks, query_rank))
       held += size
     if not parts:
       raise ValueError(f"{api}: query_batches is empty; pass at least one batch.")
@@ -304,7 +329,7 @@ class Influence:
       gradients = self._rotated_gradients(self.loss, api)
 
       def own(factors, params, batch):
-        out = gradients(factors, params, batch)
+        out, _ = gradients(factors, params, batch)
         total = 0.0
         for name, g in out.items():
           p = divide(factors, name, g)

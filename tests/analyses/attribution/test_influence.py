@@ -29,12 +29,22 @@ def _batches(*arrays, size=B):
 # The dense formulas, from per-block per-example quantities (float64).
 
 
-def _reference(strategy, blocks, queries, damping=None, train=None):
+def _truncated(pre, rank):
+  """Each query's `(i, o)` matrix at its best rank-`rank` approximation (NumPy's SVD);
+  as it is for `rank=None`."""
+  if rank is None:
+    return pre
+  u, s, vt = np.linalg.svd(pre, full_matrices=False)
+  return np.einsum("qir,qr,qro->qio", u[..., :rank], s[..., :rank], vt[..., :rank, :])
+
+
+def _reference(strategy, blocks, queries, damping=None, train=None, rank=None):
   """`blocks`: per block, `("kron", a (N, T, i), g (N, T, o), G (N, i, o))` or
   `("diag", G (N, n))` of the training examples; `queries`: per block its query
   gradients `(Q, i, o)` or `(Q, n)`; `train`: per block the training gradients
-  scored (default: the blocks' `G`, which the curvature is fitted from). Returns
-  `(Q, N)` scores."""
+  scored (default: the blocks' `G`, which the curvature is fitted from); `rank`:
+  each query's preconditioned gradient of a Kronecker block truncated to it.
+  Returns `(Q, N)` scores."""
   total = 0.0
   train = [b[-1] for b in blocks] if train is None else train
   for block, gq, scored in zip(blocks, queries, train):
@@ -52,7 +62,7 @@ def _reference(strategy, blocks, queries, damping=None, train=None):
       _, a, g, grads = (np.asarray(v, np.float64) if not isinstance(v, str) else v
                         for v in block)
       if strategy == "identity":
-        total = total + np.einsum("qio,nio->qn", gq, scored)
+        total = total + np.einsum("qio,nio->qn", _truncated(gq, rank), scored)
         continue
       count = a.shape[0] * a.shape[1]
       e_a, q_a = np.linalg.eigh(np.einsum("nti,ntj->ij", a, a) / count)
@@ -63,7 +73,7 @@ def _reference(strategy, blocks, queries, damping=None, train=None):
         eig = np.mean(np.einsum("ij,nio,op->njp", q_a, grads, q_s) ** 2, axis=0)
       damp = 0.1 * eig.mean() if damping is None else damping
       rotated = np.einsum("ij,qio,op->qjp", q_a, gq, q_s) / (eig + damp)
-      pre = np.einsum("ij,qjp,op->qio", q_a, rotated, q_s)
+      pre = _truncated(np.einsum("ij,qjp,op->qio", q_a, rotated, q_s), rank)
       total = total + np.einsum("qio,nio->qn", pre, scored)
     else:
       grads = np.asarray(block[1], np.float64)
@@ -296,6 +306,62 @@ def test_dense_over_positions_and_a_convolution(strategy):
   _assert_scores(got, expected, tol=5e-4)
 
 
+@pytest.mark.parametrize("strategy", ["identity", "kfac", "ekfac", "full"])
+def test_low_rank_queries_are_the_truncated_svd_of_the_preconditioned_gradients(strategy):
+  params, x, t, forward, loss = _mlp()
+  train, query = (x[:N], t[:N]), (x[N:], t[N:])
+  influence = gl.fit_influence(loss, params, _batches(*train), strategy=strategy)
+  blocks = _mlp_blocks(params, *train, forward, loss)
+  queries = [b[-1] for b in _mlp_blocks(params, *query, forward, loss)]
+  for rank in (1, 2):  # (6 x 4 and 5 x 3 blocks: rank + 10 covers them, exact)
+    got = influence.scores(_batches(*query, size=2), _batches(*train), query_rank=rank,
+                           query_block=2)
+    # "full" blocks keep their whole gradients.
+    _assert_scores(got, _reference(strategy, blocks, queries,
+                                   rank=None if strategy == "full" else rank))
+  if strategy == "identity":  # One position: each query's gradient has rank 1.
+    flat = lambda g: jnp.concatenate([v.reshape(v.shape[0], -1) for v in jax.tree.leaves(g)], 1)
+    gq, gt = flat(_per_example(loss, params, *query)), flat(_per_example(loss, params, *train))
+    _assert_scores(got, gq @ gt.T)
+
+
+@pytest.mark.parametrize("rank", [1, 2])  # Scored factored (x a)(g b), and formed.
+@pytest.mark.parametrize("chunk_bytes", [None, 1])  # All queries' a b^T at once; one each.
+def test_low_rank_queries_over_positions_and_a_convolution(rank, chunk_bytes, monkeypatch):
+  from oryx_gradlog.analyses.attribution import _low_rank  # pylint: disable=g-import-not-at-top
+  if chunk_bytes is not None:
+    monkeypatch.setattr(_low_rank, "_CHUNK_BYTES", chunk_bytes)
+  params, x, loss, blocks = _conv_model()
+  train, query = _batches(x[:N]), _batches(x[N:], size=Q)
+  influence = gl.fit_influence(loss, params, train, strategy="ekfac")
+  got = influence.scores(query, train, query_rank=rank)
+  expected = _reference("ekfac", blocks(x[:N]), [b[-1] for b in blocks(x[N:])], rank=rank)
+  _assert_scores(got, expected, tol=5e-4)
+
+
+def test_low_rank_queries_of_a_wide_layer_are_close_to_the_best_approximation():
+  """A 40 x 32 layer over 24 positions at rank 4: the randomized SVD's sketch (14
+  columns) is smaller than the layer, so the factors are near, not at, the best."""
+  params = {"w": _normal(1, 40, 32, scale=0.2)}
+  x = _normal(2, N + Q, 24, 40, scale=1.0)
+
+  def loss(p, x):
+    return jnp.mean(jnp.sum(jnp.tanh(x @ p["w"]) ** 2, axis=(1, 2)))
+
+  def pert(e, x):  # One example: the cotangent of its layer output.
+    return jnp.sum(jnp.tanh(x @ params["w"] + e) ** 2)
+
+  g = jax.vmap(jax.grad(pert))(jnp.zeros((N + Q, 24, 32)), x)
+  grads = jnp.einsum("nti,nto->nio", x, g)
+  train, query = _batches(x[:N]), _batches(x[N:], size=Q)
+  influence = gl.fit_influence(loss, params, train, strategy="ekfac")
+  blocks = [("kron", x[:N], g[:N], grads[:N])]
+  got = influence.scores(query, train, query_rank=4)
+  _assert_scores(got, _reference("ekfac", blocks, [grads[N:]], rank=4), tol=2e-3)
+  whole = _reference("ekfac", blocks, [grads[N:]])
+  assert np.abs(got - whole).max() > 1e-2 * np.abs(whole).max()  # Rank 4 is not all.
+
+
 # ----------------------------------------------------------------------------------
 # Embeddings (a Kronecker block of one-hot inputs), factors saved and loaded, top_k,
 # bad input.
@@ -386,6 +452,8 @@ def test_bad_input_is_a_clear_error():
     influence.scores(train, iter(train), query_block=2)
   with pytest.raises(ValueError, match=r"query_block=0\): give a positive number"):
     influence.scores(train, train, query_block=0)
+  with pytest.raises(ValueError, match=r"query_rank=0\): give a positive rank"):
+    influence.scores(train, train, query_rank=0)
   with pytest.raises(TypeError, match=r"Influence.scores: the loss cannot take the "
                      r"parameters and a batch of 1 argument\(s\) .* not the arrays of one "
                      r"batch \(x, y\)"):
@@ -462,12 +530,15 @@ def test_a_second_fit_and_scores_of_the_same_loss_and_shapes_compile_nothing(cap
   train, query = _batches(x[:N], t[:N]), _batches(x[N:], t[N:])
   first = gl.fit_influence(loss, params, train, progress=False)
   expected = first.scores(query, train, progress=False)
+  low_rank = first.scores(query, train, query_rank=2, progress=False)
   jax.config.update("jax_log_compiles", True)
   try:
     with caplog.at_level("DEBUG", logger="jax"):
       jax.jit(lambda v: v + 1)(1.0)  # A compile the log must show.
       again = gl.fit_influence(loss, params, train, progress=False)
       scores = again.scores(query, train, progress=False)
+      np.testing.assert_array_equal(
+          again.scores(query, train, query_rank=2, progress=False), low_rank)
   finally:
     jax.config.update("jax_log_compiles", False)
   compiled = [r.getMessage() for r in caplog.records
