@@ -29,6 +29,8 @@ Sharp edges:
   * Exact (the plain SVD's truncation) where `r + 10 >= min(d_in, d_out)`;
     otherwise within the sketch's error of the best rank-`r` approximation, which
     two power iterations make small where the singular values decay.
+  * A batch of queries is preconditioned whole before it is factorized: its
+    batch size bounds that memory (8 queries of GPT-2 small: 2.7 GB).
   * Embeddings, diagonal blocks and `"full"` blocks keep their whole
     preconditioned gradients (and are scored as without `query_rank`).
   * The sketch's random matrix is fixed (`PRNGKey(0)`): the same queries give the
