@@ -81,15 +81,9 @@ def main():
   ex = _example()
   size = ex.SIZES[args.size]
   seq, n_train, batch = size["seq"], size["n_train"], size["batch"]
-  n_all = n_train + n_train // (ex.QUERY_EVERY - 1) + 1
-  text, starts = ex.corpus(n_all * (seq + 1))
-  windows, _ = ex.sequences(text, starts, seq, n_all)
-  is_query = np.arange(n_all) % ex.QUERY_EVERY == ex.QUERY_EVERY - 1
-  train_windows = windows[~is_query][:n_train]
-  query_windows = windows[is_query][:args.queries]
-  model = ex.gpt_class()(256, seq, size["width"], size["heads"], size["depth"],
-                         rngs=nnx.Rngs(0))
-  graphdef, init, rest = nnx.split(model, nnx.Param, ...)
+  (train_windows, _), (query_windows, _), _ = ex.problem(size)
+  query_windows = query_windows[:args.queries]
+  graphdef, init, rest = ex.model(size)
   loss = ex.make_loss(graphdef, rest)
   started = time.perf_counter()
 

@@ -94,6 +94,28 @@ def sequences(text: np.ndarray, starts, seq: int, n: int):
   return windows, where
 
 
+def problem(size: dict):
+  """One size's sequences: `((training windows, where each starts), (query windows,
+  where each starts), (files, bytes) of the corpus read)`; every `QUERY_EVERY`-th
+  sequence is a query."""
+  seq, n_train = size["seq"], size["n_train"]
+  n_all = n_train + n_train // (QUERY_EVERY - 1) + 1
+  text, starts = corpus(n_all * (seq + 1))
+  windows, where = sequences(text, starts, seq, n_all)
+  is_query = np.arange(n_all) % QUERY_EVERY == QUERY_EVERY - 1
+  train_where = [w for w, q in zip(where, is_query) if not q][:n_train]
+  query_where = [w for w, q in zip(where, is_query) if q]
+  return ((windows[~is_query][:n_train], train_where), (windows[is_query], query_where),
+          (len(starts), text.size))
+
+
+def model(size: dict):
+  """Example 11's GPT at one size, untrained: `nnx.split(model, nnx.Param, ...)`."""
+  gpt = gpt_class()(256, size["seq"], size["width"], size["heads"], size["depth"],
+                    rngs=nnx.Rngs(0))
+  return nnx.split(gpt, nnx.Param, ...)
+
+
 def gpt_class():
   """Example 11's GPT (stock Flax NNX modules), imported from its file."""
   path = pathlib.Path(__file__).with_name("11_any_model_dp.py")
@@ -154,19 +176,12 @@ def main():
   size = SIZES["quick" if args.quick else args.size]
   rank = args.query_rank or size["rank"]
   seq, n_train = size["seq"], size["n_train"]
-  n_all = n_train + n_train // (QUERY_EVERY - 1) + 1
-  text, starts = corpus(n_all * (seq + 1))
-  windows, where = sequences(text, starts, seq, n_all)
-  is_query = np.arange(n_all) % QUERY_EVERY == QUERY_EVERY - 1
-  train_windows, query_windows = windows[~is_query][:n_train], windows[is_query]
-  train_where = [w for w, q in zip(where, is_query) if not q][:n_train]
-  query_where = [w for w, q in zip(where, is_query) if q]
-  print(f"corpus: {len(starts)} files, {text.size / 1e6:.2f} MB; {len(train_windows)} "
+  (train_windows, train_where), (query_windows, query_where), (files, text_bytes) = (
+      problem(size))
+  print(f"corpus: {files} files, {text_bytes / 1e6:.2f} MB; {len(train_windows)} "
         f"training and {len(query_windows)} query sequences of {seq} bytes")
 
-  model = gpt_class()(256, seq, size["width"], size["heads"], size["depth"],
-                      rngs=nnx.Rngs(0))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = model(size)
   loss = make_loss(graphdef, rest)
 
   started = time.perf_counter()
