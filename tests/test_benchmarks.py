@@ -105,3 +105,22 @@ def test_profile_ops_reads_the_ops_of_a_step_from_the_profiler(benchmarks):
   # Every op's time is in its category, once.
   assert sum(categories.values()) == pytest.approx(sum(ms for ms, _ in ops.values()))
   assert set(categories) == {category for _, category in ops.values()}
+
+
+def test_records_cost_norms_one_group_of_records(benchmarks):
+  # Setup: a one-block decoder and the embedding's group.
+  any_model, records_cost = benchmarks("bench_any_model"), benchmarks("records_cost")
+  d = any_model.Decoder(depth=1, width=16, heads=2, vocab=32, seq=8, batch=4)
+  loss, args = any_model.model(d)
+  # True computation: vmap(grad), the embedding table's per-example gradients.
+  per_example, _ = any_model.per_example_grads(loss, d.batch, *args)
+  leaves = jax.tree_util.tree_flatten_with_path(per_example)[0]
+  table, = [g for path, g in leaves if "embed" in jax.tree_util.keystr(path)]
+  expected = jax.numpy.sqrt(jax.numpy.sum(table.reshape(d.batch, -1) ** 2, axis=1))
+  grads, norms = jax.jit(records_cost.norms_of(loss, records_cost.GROUPS["embed"]))(*args)
+  assert_trees_close(grads, jax.grad(loss)(*args))
+  assert_trees_close(norms, expected, rtol=1e-4)
+  # The count of standalone float32 score fusions reads the HLO's top level only.
+  hlo = ("  %fusion.1 = f32[4,2,8,8]{3,2,1,0} fusion(%a), kind=kOutput\n"
+         "  %fusion.2 = (f32[4,2,8], f32[4,2,8,8]{3,2,1,0}) fusion(%b)\n")
+  assert records_cost.score_fusions(hlo, d) == 1

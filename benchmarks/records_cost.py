@@ -1,0 +1,111 @@
+"""What each group of records' analyses adds to a step: workload 15's decoder, record by record.
+
+For example 11's GPT (stock Flax NNX, nothing marked; `bench_any_model.Decoder`),
+times the plain gradient beside the gradient plus `gl.per_example_norms` of one group
+of `gl.record_layers`' records at a time (attention's query and key, value, output,
+the MLP, the layer norms, the embedding, the output head, the position embedding),
+and of all of them, each a `jax.jit` called in a Python loop with the same
+arguments (nothing donated), at JAX's default matmul precision. It also counts the
+attention score products that XLA leaves as their own fusion, unfused from the
+softmax that reads them (top-level fusions whose output is a float32 `(B, H, T, T)`
+array; their number over plain's is one per layer where the softmax lost its
+product).
+
+This is how the TPU's bfloat16 gap at sequence 1024 was traced to the embedding's
+record (RESULTS.md, issue 50): a diagnosis tool, not a ratio benchmark (`run.py`
+times the variants side by side in rounds). Use `--depth 2`: the effect is per
+layer, and compiles take seconds instead of a minute.
+
+Run: python benchmarks/records_cost.py [--depth 2 --seq 1024 --batch 8
+     --dtype bfloat16] [--groups embed,head] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+
+import jax
+
+import bench_any_model as any_model
+import oryx_gradlog as gl
+
+GROUPS = {
+    "query+key": lambda name: ".query." in name or ".key." in name,
+    "value": lambda name: ".value." in name,
+    "out": lambda name: ".out." in name,
+    "mlp": lambda name: ".up." in name or ".down." in name,
+    "layernorm": lambda name: ".ln" in name or name.startswith("ln"),
+    "embed": lambda name: name.startswith("embed"),
+    "head": lambda name: name.startswith("head"),
+    "pos": lambda name: name == "pos",
+    "all": lambda name: True,
+}
+
+
+def norms_of(loss, keep):
+  """The gradient and the per-example norms of the records whose names `keep` accepts."""
+  def step(*args):
+    grads, records = gl.call_and_reap(jax.grad(gl.record_layers(loss)))(*args)
+    kept = {name: r for name, r in records.items() if keep(name)}
+    return grads, gl.per_example_norms(kept).norms
+  return step
+
+
+def score_fusions(hlo: str, d: any_model.Decoder) -> int:
+  """Top-level fusions with a float32 `(B, H, T, T)` output."""
+  shape = f"{d.batch},{d.heads},{d.seq},{d.seq}"
+  return len(re.findall(r"^\s*%[\w.\-]+ = f32\[" + shape + r"\]\{[^}]*\} fusion\(",
+                        hlo, re.M))
+
+
+def time_ms(compiled, args, rounds: int = 5, calls: int = 10) -> float:
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(calls):
+      out = compiled(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / calls * 1e3)
+  return statistics.median(times)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--depth", type=int, default=2)
+  parser.add_argument("--seq", type=int, default=1024)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--groups", default=",".join(GROUPS),
+                      help=f"comma-separated, of: {', '.join(GROUPS)}")
+  parser.add_argument("--quick", action="store_true",
+                      help="width 64, 4 heads, vocabulary 512, seq 64 x batch 4")
+  a = parser.parse_args()
+  unknown = set(a.groups.split(",")) - set(GROUPS)
+  if unknown:
+    parser.error(f"--groups: unknown {sorted(unknown)}; choose from {list(GROUPS)}")
+  shape = (dict(width=64, heads=4, vocab=512, seq=64, batch=4) if a.quick else
+           dict(width=768, heads=12, vocab=8192, seq=a.seq, batch=a.batch))
+  d = any_model.Decoder(depth=a.depth, **shape, dtype=a.dtype)
+  loss, args = any_model.model(d)
+  steps = {"plain": lambda *args: jax.grad(loss)(*args)}
+  steps.update({f"norms of {g}": norms_of(loss, GROUPS[g]) for g in a.groups.split(",")})
+  print(f"# {d.tag}, {a.depth} blocks, {jax.default_backend()}\n")
+  print("| variant | ms per call | x plain | score fusions | compile (s) |")
+  print("|---|---|---|---|---|")
+  plain = None
+  for key, step in steps.items():
+    start = time.perf_counter()
+    compiled = jax.jit(step).lower(*args).compile()
+    compile_s = time.perf_counter() - start
+    ms = time_ms(compiled, args)
+    plain = plain or ms
+    print(f"| {key} | {ms:.2f} | {ms / plain:.3f} | "
+          f"{score_fusions(compiled.as_text(), d)} | {compile_s:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
