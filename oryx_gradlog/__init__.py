@@ -94,6 +94,7 @@ __all__ = (
     "per_example_clip",
     "per_example_norms",
     "per_example_products",
+    "per_example_self_products",
     "poisson_batch",
     "projected_grads",
     "raise_if_nonfinite",

@@ -60,7 +60,10 @@ from oryx_gradlog.analyses.per_example._ghost import (
     PerExampleNorms,
     per_example_norms,
 )
-from oryx_gradlog.analyses.per_example._products import per_example_products
+from oryx_gradlog.analyses.per_example._products import (
+    per_example_products,
+    per_example_self_products,
+)
 from oryx_gradlog.analyses.curvature._hessian import (
     hessian_diagonal,
     hessian_max_eigenvalue,

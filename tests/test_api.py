@@ -35,7 +35,7 @@ def test_all_is_the_documented_api():
       "ProjectedGrads", "Projector", "fit_projector", "projected_grads", "LossSpike",
       "loss_spikes", "tracin", "tracin_self_influence", "influence_from_run",
       # TracIn for Adam (issue 51).
-      "adam_preconditioner", "per_example_products",
+      "adam_preconditioner", "per_example_products", "per_example_self_products",
       # One init/update type (issue 24).
       "Transform"])
   assert gl.DEFAULT_TAG == "vjp"

@@ -6,7 +6,8 @@ logged projected per-example gradients (`gl.projected_grads`) with example ids.
 the keys of `gl.tracin` and `gl.loss_spikes` (`train`, `ids`, `lr`; `loss` for the
 spikes, `query` for the queries' helpful and harmful examples; or, for a run with
 Adam, `products`, each step's products of the queries' preconditioned gradients with
-the batch's, `gl.tracin(run, products="products")`):
+the batch's, `gl.tracin(run, products="products")`, and `self`, each example's with
+its own, `gl.tracin_self_influence(run, self_products="self")`):
 
 * the steps where the loss rose most, and for each the examples of the step before
   that pushed it up, with their first-order shares, and (where the run logged
@@ -50,7 +51,7 @@ def _has_grads(dataset, key: str) -> bool:
 def has_attribution(dataset) -> bool:
   names = [str(n) for n in dataset.data_vars]
   return ("ids" in names and "lr" in names
-          and (_has_grads(dataset, "train") or "products" in names))
+          and (_has_grads(dataset, "train") or "products" in names or "self" in names))
 
 
 def _findings(dataset, top: int) -> dict[str, Any]:
@@ -61,6 +62,9 @@ def _findings(dataset, top: int) -> dict[str, Any]:
     found["own"] = _from_run.tracin_self_influence(dataset, num_examples=n)
     if "loss" in dataset:
       found["spikes"] = _from_run.loss_spikes(dataset, top=top)
+  elif "self" in dataset:
+    found["own"] = _from_run.tracin_self_influence(dataset, num_examples=n,
+                                                   self_products="self")
   if "products" in dataset:
     found["scores"] = _from_run.tracin(dataset, num_examples=n, products="products")
   elif _has_grads(dataset, "query"):
@@ -133,8 +137,9 @@ def attribution_text(dataset, *, top: int = 5) -> str:
     lines.append(f"step {spike.step}: loss {spike.rise:+.4g} above the steps before; "
                  f"{spike.explained:+.4g} from step {spike.cause}'s update, pushed up by "
                  f"{pushed}; its own examples: {_own(spike, described)}")
-  if "own" not in found:
-    lines.append("no projected gradients 'train' logged: no spikes, no self-influence")
+  if not _has_grads(dataset, "train"):
+    lines.append("no projected gradients 'train' logged: no spikes"
+                 + ("" if "own" in found else ", no self-influence"))
   elif not found["spikes"]:
     lines.append("no rise of the logged loss" if "loss" in dataset
                  else "no 'loss' logged: no spikes")
@@ -208,8 +213,11 @@ def attribution_page(dataset, out_dir: str, plt, *, top: int = 5) -> str | None:
     order = np.argsort(-own, kind="stable")[:top * 4]
     sections.append(_report.Section(
         "self-influence", "Training examples of the highest TracIn self-influence",
-        "<p>sum over the logged steps of lr |g|^2 of each example's projected gradient: "
-        "the examples training kept pushing against (mislabelled or unusual ones are "
+        "<p>sum over the logged steps of "
+        + ("lr |g|^2 of each example's projected gradient" if _has_grads(dataset, "train")
+           else "lr &lt;g, P g&gt; of each example's gradient, P the optimiser's "
+                "preconditioner (the logged 'self')") +
+        ": the examples training kept pushing against (mislabelled or unusual ones are "
         "often among them).</p>" +
         _table(("example", "self-influence"),
                [(_named([i], [_example(int(i), described)], thumbnail), f"{own[i]:.4g}")

@@ -43,7 +43,8 @@ Sharp edges:
     contributions to a spike assume an SGD update `-lr * mean_i g_i`; with momentum
     or Adam they are those of the step's gradient alone. For Adam, `tracin(...,
     products=...)` reads the logged products of each query's preconditioned
-    gradient with the batch's (`gl.adam_preconditioner`).
+    gradient with the batch's (`gl.adam_preconditioner`), and
+    `tracin_self_influence(..., self_products=...)` each example's with its own.
   * A spike needs two consecutive logged steps (`t - 1` and `t`): log every step.
   * Each block is read whole, `steps x B x k x k` floats at a time.
 """
@@ -190,9 +191,15 @@ def tracin(run: Any, *, train: str = "train", query: str = "query", ids: str = "
 
 
 def tracin_self_influence(run: Any, *, train: str = "train", ids: str = "ids",
-                          lr: str = "lr", num_examples: int | None = None
-                          ) -> np.ndarray:
+                          lr: str = "lr", num_examples: int | None = None,
+                          self_products: str | None = None) -> np.ndarray:
   """Returns `(num_examples,)`: `sum_t lr_t |g_t(z)|^2` over the logged steps.
+
+  Plain SGD's self-influence comes from the logged projected gradients of the
+  training batch. For another optimiser, log at each step each example's gradient
+  against its own step direction and pass their key as `self_products`: with Adam,
+  `<g_t(z), P_t g_t(z)>` (`gl.per_example_self_products` with
+  `gl.adam_preconditioner`'s `P_t`), summed as `sum_t lr_t` times those.
 
   Args:
     run: a run folder written by `gl.RunLog`, or `gl.open_run`'s dataset.
@@ -200,6 +207,8 @@ def tracin_self_influence(run: Any, *, train: str = "train", ids: str = "ids",
     ids: the key of each step's example ids.
     lr: the key of each step's learning rate.
     num_examples: the training set's size (default: the largest id + 1).
+    self_products: the key of each step's `(B,)` self-products of the batch's
+      per-example gradients; where given, `train` is not read.
 
   Returns:
     A NumPy array: large for examples the training kept pushing against.
@@ -219,14 +228,22 @@ def tracin_self_influence(run: Any, *, train: str = "train", ids: str = "ids",
   """
   api = "tracin_self_influence"
   dataset = _dataset(run)
-  t = _grads(api, dataset, train)
-  example = _ids(api, dataset, ids, t.shape[1])
+  if self_products is None:
+    squares = np.sum(_grads(api, dataset, train) ** 2, axis=2)
+  else:
+    squares = _series(api, dataset, self_products, "per-example self-products")
+    if squares.ndim != 2:
+      raise ValueError(f"{api}(self_products={self_products!r}): each step's "
+                       f"self-products must be (B,), got {squares.shape[1:]}; log "
+                       "gl.per_example_self_products(records, preconditioner).")
+    squares = squares.astype(np.float64)
+  example = _ids(api, dataset, ids, squares.shape[1])
   rate = _series(api, dataset, lr, "learning rate").astype(np.float64)
   n = _count(api, example, num_examples)
   own = np.zeros(n)
-  for step in range(t.shape[0]):
+  for step in range(squares.shape[0]):
     if np.isfinite(rate[step]):
-      np.add.at(own, example[step], rate[step] * np.sum(t[step] ** 2, axis=1))
+      np.add.at(own, example[step], rate[step] * squares[step])
   return own
 
 

@@ -121,7 +121,8 @@ def test_tracin_of_an_adam_run_is_the_sum_of_preconditioned_gradient_products(tm
     queries = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, x[N:], t[N:])
     directions = jax.tree.map(lambda p, q: p * q, pre, queries)
     products = jax.vmap(lambda v: gl.per_example_products(records, v))(directions)
-    return optax.apply_updates(params, updates), opt_state, products
+    own = gl.per_example_self_products(records, pre)
+    return optax.apply_updates(params, updates), opt_state, products, own
 
   order = np.random.default_rng(0).permutation(N)
   batches = [order[i:i + B] for i in range(0, N, B)] * 2
@@ -129,31 +130,50 @@ def test_tracin_of_an_adam_run_is_the_sum_of_preconditioned_gradient_products(tm
   with gl.RunLog(tmp_path / "run") as log:
     for i, ids in enumerate(batches):
       checkpoints.append((params, opt_state))
-      params, opt_state, products = step(params, opt_state, (x[ids], t[ids]))
-      log.append(i, {"products": products, "ids": jnp.asarray(ids),
+      params, opt_state, products, own = step(params, opt_state, (x[ids], t[ids]))
+      log.append(i, {"products": products, "self": own, "ids": jnp.asarray(ids),
                      "lr": jnp.float32(0.05)})
   # True computation: sum_t lr <P_t g_t(q), g_t(z)>, with P_t from optax's state
-  # after step t's update, recomputed from the checkpoints with vmap(grad).
+  # after step t's update, recomputed from the checkpoints with vmap(grad); and the
+  # self-influence sum_t lr <g_t(z), P_t g_t(z)>.
   expected, plain = np.zeros((Q, N)), np.zeros((Q, N))
+  expected_own, plain_own = np.zeros(N), np.zeros(N)
   for ids, (params, opt_state) in zip(batches, checkpoints):
     grads = jax.grad(loss)(params, x[ids], t[ids])
     _, state = opt.update(grads, opt_state)
     nu_hat = jax.tree.map(lambda nu: nu / (1 - 0.99 ** state[0].count), state[0].nu)
     pre = jax.tree.map(lambda nu: 1 / (jnp.sqrt(nu) + 1e-8), nu_hat)
     gq = _per_example(loss, params, x[N:], t[N:])
-    gz = _flat(_per_example(loss, params, x[ids], t[ids]))
+    gz_tree = _per_example(loss, params, x[ids], t[ids])
+    gz = _flat(gz_tree)
     expected[:, ids] += 0.05 * _flat(jax.tree.map(lambda p, q: p * q, pre, gq)) @ gz.T
     plain[:, ids] += 0.05 * _flat(gq) @ gz.T
+    expected_own[ids] += 0.05 * np.sum(
+        _flat(jax.tree.map(lambda p, g: p * g ** 2, pre, gz_tree)), axis=1)
+    plain_own[ids] += 0.05 * np.sum(gz ** 2, axis=1)
   # Library computation, and comparison.
   scores = gl.tracin(tmp_path / "run", products="products")
   np.testing.assert_allclose(scores, expected, rtol=2e-4, atol=1e-6 * np.abs(expected).max())
   # Adam's scores are not SGD's products of the same gradients (up to a scale).
   assert np.abs(np.corrcoef(scores.ravel(), plain.ravel())[0, 1]) < 0.99
+  own = gl.tracin_self_influence(tmp_path / "run", self_products="self")
+  np.testing.assert_allclose(own, expected_own, rtol=2e-4)
+  assert np.abs(np.corrcoef(own, plain_own)[0, 1]) < 0.99
+  with pytest.raises(ValueError, match=r"tracin_self_influence\(self_products='products'\): "
+                     r"each step's self-products must be \(B,\)"):
+    gl.tracin_self_influence(tmp_path / "run", self_products="products")
   # The command line (and the report's page) show each query's examples by them.
   lines = _attribution_page.attribution_text(gl.open_run(tmp_path / "run")).splitlines()
   best = np.argsort(-scores[1], kind="stable")[0]
-  assert lines[2].startswith(f"query 1: helpful {best} ({scores[1, best]:+.3g})")
-  assert lines[0].startswith("no projected gradients 'train' logged")
+  assert lines[3].startswith(f"query 1: helpful {best} ({scores[1, best]:+.3g})")
+  assert lines[0] == "no projected gradients 'train' logged: no spikes"
+  best_own = int(np.argmax(expected_own))
+  assert lines[1].startswith(f"highest TracIn self-influence: {best_own} ")
+  index = gl.report(tmp_path / "run", progress=False)
+  page = open(os.path.join(os.path.dirname(index), "attribution.html"),
+              encoding="utf-8").read()
+  assert "lr &lt;g, P g&gt; of each example's gradient" in page
+  assert f"<tr><td>{best_own}</td><td>{own[best_own]:.4g}</td></tr>" in page
   with pytest.raises(ValueError, match=r"tracin\(products='lr'\): each step's products "
                      r"must be \(n_query, B\)"):
     gl.tracin(tmp_path / "run", products="lr")
@@ -187,6 +207,35 @@ def test_per_example_products_are_those_of_vmap_grad_for_hand_marked_layers():
   with pytest.raises(ValueError, match=r"per_example_products: the layer records \['fc1', "
                      r"'fc2'\] have a weight or bias that is not a leaf"):
     gl.per_example_products(records, direction)
+  # Self-products: each example's gradient against itself, weighted by a positive
+  # preconditioner (the direction squared), through the same leaves.
+  pre = jax.tree.map(jnp.square, direction)
+  expected_self = np.sum(_flat(jax.tree.map(lambda p, g: p * g ** 2, pre, per_example)),
+                         axis=1)
+  np.testing.assert_allclose(
+      gl.per_example_self_products(records, pre, params=params, where=where),
+      expected_self, rtol=1e-5)
+  with pytest.raises(ValueError, match=r"per_example_self_products: the per-example "
+                     r"gradients of 'fc2' are \(5, 4, 2\) \(batch first\) but its "
+                     r"preconditioner is \(2,\)"):
+    gl.per_example_self_products(records, {**pre, "w2": jnp.ones(2)}, params=params,
+                                 where=where)
+
+
+def test_per_example_self_products_of_a_layer_scanned_over_stacked_weights():
+  def loss(p, x):
+    def body(h, w):
+      return jnp.tanh(gl.dense(h, w, name="fc")), None
+    return jnp.mean(jax.lax.scan(body, x, p["w"])[0] ** 2)
+
+  params = {"w": jnp.cos(jnp.arange(48.0)).reshape(3, 4, 4)}
+  pre = {"w": jnp.arange(48.0).reshape(3, 4, 4) / 48}
+  x = jnp.arange(8.0).reshape(2, 4) / 5
+  per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, x[:, None])
+  expected = jnp.sum(pre["w"] * per_example["w"] ** 2, axis=(1, 2, 3))
+  got = jax.jit(lambda p, x, pre: gl.per_example_self_products(
+      gl.reap(jax.grad(loss))(p, x), pre, params=p))(params, x, pre)
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 def test_influence_from_a_run_is_fit_influence_with_the_same_projection(tmp_path):

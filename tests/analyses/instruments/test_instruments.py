@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import oryx_gradlog as gl
+from oryx_gradlog.analyses.instruments import _cockpit, _histograms
 
 ECONOMY = ("alpha", "distance", "grad_hist_1d", "grad_norm", "inner_product_test", "loss",
            "norm_test", "orthogonality_test", "update_size")
@@ -218,7 +219,7 @@ def _reference(w, w_previous, w0, w_before_previous):
   return ref, hessian
 
 
-ALL = gl.analyses.instruments._cockpit.INSTRUMENTS  # pylint: disable=protected-access
+ALL = _cockpit.INSTRUMENTS
 
 
 def _found(w, x, y):
@@ -389,7 +390,7 @@ def _one_1d_histogram(grads, batch):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gradient_histogram_of_found_layers_matches_vmap_grad(monkeypatch, chunk, reduction):
   if chunk is not None:
-    monkeypatch.setattr(gl.analyses.instruments._histograms, "CHUNK_ELEMENTS", chunk)  # pylint: disable=protected-access
+    monkeypatch.setattr(_histograms, "CHUNK_ELEMENTS", chunk)
   params, x, y, _, plain = _model(reduction)
   params = jax.tree.map(lambda v: 0.3 * v, params)  # Gradients inside [-2, 2] mostly.
   reduce = jnp.mean if reduction == "mean" else jnp.sum
@@ -422,16 +423,15 @@ def _rank_one_examples():
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gradient_histogram_of_rank_one_layers_matches_vmap_grad(monkeypatch, chunk,
                                                                  reduction):
-  histograms = gl.analyses.instruments._histograms  # pylint: disable=protected-access
   x, g = _rank_one_examples()
-  plans = [int(histograms._rank_one_plan(x[i:i + 1], g[i:i + 1], 1.0, 100, (-2.0, 2.0)))  # pylint: disable=protected-access
+  plans = [int(_histograms._rank_one_plan(x[i:i + 1], g[i:i + 1], 1.0, 100, (-2.0, 2.0)))  # pylint: disable=protected-access
            for i in range(len(x))]
-  cuts = histograms._cuts(64, 48)  # pylint: disable=protected-access
+  cuts = _histograms._cuts(64, 48)  # pylint: disable=protected-access
   # Signs alone, the 4 largest rows, the 3 largest columns, 24 of them, every element.
   assert [cuts[p] if p < len(cuts) else "whole" for p in plans] == [
       (0, 0), (0, 4), (1, 3), (1, 24), "whole", "whole", (0, 0)]
   if chunk is not None:
-    monkeypatch.setattr(histograms, "CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(_histograms, "CHUNK_ELEMENTS", chunk)
   reduce = jnp.mean if reduction == "mean" else jnp.sum
   # Output cotangent g_i: the loss is linear in the layer's output.
   loss = lambda w, x, g: reduce(jnp.sum(g * gl.dense(x, w, name="fc"), -1))
@@ -453,7 +453,7 @@ def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, ch
   # convolution, stacked dense, dot_general and bias) are counted a chunk of examples
   # at a time, in both histograms; the tied dense layer's two uses whole.
   if chunk is not None:
-    monkeypatch.setattr(gl.analyses.instruments._histograms, "CHUNK_ELEMENTS", chunk)  # pylint: disable=protected-access
+    monkeypatch.setattr(_histograms, "CHUNK_ELEMENTS", chunk)
   p, ids, img, y = _every_layer_kind_inputs()
   one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
   grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)
@@ -548,7 +548,7 @@ def test_presets_are_cockpits_configurations():
              "norm_test", "orthogonality_test", "update_size"}
   business = economy | {"tic_diag", "hessian_trace"}
   full = business | {"hessian_max_eigenvalue", "grad_hist_2d"}
-  presets = gl.analyses.instruments._cockpit.PRESETS  # pylint: disable=protected-access
+  presets = _cockpit.PRESETS
   assert (set(presets["economy"]), set(presets["business"]), set(presets["full"])) == (
       economy, business, full)
 
