@@ -234,7 +234,7 @@ def test_per_example_self_products_of_a_layer_scanned_over_stacked_weights():
   per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, x[:, None])
   expected = jnp.sum(pre["w"] * per_example["w"] ** 2, axis=(1, 2, 3))
   got = jax.jit(lambda p, x, pre: gl.per_example_self_products(
-      gl.reap(jax.grad(loss))(p, x), pre, params=p))(params, x, pre)
+      gl.reap(jax.grad(loss))(p, x), pre, params=p, where={"w": "fc.w"}))(params, x, pre)
   np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
