@@ -129,11 +129,13 @@ class Selection:
     return {} if self.tree is None else _found_leaves(api, self.tree, tree)
 
   def splitter(self, api: str, params: Any, where: Any = None,
+               other_fix: str = "leave those layers out with names=",
                ) -> Callable[[Any], dict[str, LayerParams]]:
     """A function placing a tree shaped like `params` (the parameters the gradient
-    was taken at) by key; the hand-marked layers' leaves are found once, here."""
+    was taken at) by key; the hand-marked layers' leaves are found once, here.
+    `other_fix`: the error's last way out where a weight is not found."""
     marked = [u for u in self.uses if isinstance(u, MarkedUse)]
-    sources = _marked_sources(api, marked, params, where) if marked else {}
+    sources = _marked_sources(api, marked, params, where, other_fix) if marked else {}
 
     def split(tree: Any) -> dict[str, LayerParams]:
       out = self.by_path(api, tree)
@@ -157,7 +159,7 @@ def _found_leaves(api, param_tree, tree) -> dict[str, LayerParams]:
           if path is not None}
 
 
-def _marked_sources(api, uses: list[MarkedUse], params, where):
+def _marked_sources(api, uses: list[MarkedUse], params, where, other_fix: str):
   """Per hand-marked record name, the indices of its weight and bias among `params`'
   leaves: from `where` (a tree like `params` of 'NAME.w' / 'NAME.b' / None) if given,
   else by finding the recorded weight among the leaves."""
@@ -202,7 +204,7 @@ def _marked_sources(api, uses: list[MarkedUse], params, where):
         "leaves of the parameters the step hands through). Record the loss with "
         "gl.record_layers (hand-marked layers are then recorded by parameter path), or "
         "pass where=, a tree like the parameters with 'NAME.w' / 'NAME.b' (or None) at "
-        "each leaf, or leave those layers out with names=.")
+        f"each leaf, or {other_fix}.")
   return sources
 
 

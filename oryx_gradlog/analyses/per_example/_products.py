@@ -31,6 +31,10 @@ import jax.numpy as jnp
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.record._canonical import as_float
 
+# The way out where a hand-marked layer's weight is not among the tree's leaves.
+_PASS_PARAMS = ("pass params=, the parameters the step took (inside the jitted step, "
+                "where its leaves are the recorded weights)")
+
 
 def per_example_products(records: dict[str, Any], direction: Any, *,
                          reduction: str = "mean", params: Any = None,
@@ -65,7 +69,8 @@ def per_example_products(records: dict[str, Any], direction: Any, *,
   """
   api = "per_example_products"
   selection = _common.select(api, records, reduction=reduction, names=None, tied=())
-  split = selection.splitter(api, direction if params is None else params, where)
+  split = selection.splitter(api, direction if params is None else params, where,
+                             _PASS_PARAMS)
   total = selection.products(split(direction))
   return _common.loss_scale(reduction, total.shape[0]) * total
 
@@ -107,7 +112,7 @@ def per_example_self_products(records: dict[str, Any], preconditioner: Any, *,
   api = "per_example_self_products"
   selection = _common.select(api, records, reduction=reduction, names=None, tied=())
   weights = selection.splitter(api, preconditioner if params is None else params,
-                               where)(preconditioner)
+                               where, _PASS_PARAMS)(preconditioner)
   total = None
   for key in selection.groups:
     formed, weight_of = selection.per_example(key), weights[key]

@@ -205,7 +205,8 @@ def test_per_example_products_are_those_of_vmap_grad_for_hand_marked_layers():
       gl.per_example_products(records, direction, params=params, where=where), expected,
       rtol=1e-5)
   with pytest.raises(ValueError, match=r"per_example_products: the layer records \['fc1', "
-                     r"'fc2'\] have a weight or bias that is not a leaf"):
+                     r"'fc2'\] have a weight or bias that is not a leaf(.|\n)*or pass "
+                     r"params=, the parameters the step took"):
     gl.per_example_products(records, direction)
   # Self-products: each example's gradient against itself, weighted by a positive
   # preconditioner (the direction squared), through the same leaves.
