@@ -14,10 +14,12 @@ product).
 This is how the TPU's bfloat16 gap at sequence 1024 was traced to the embedding's
 record (RESULTS.md, issue 50): a diagnosis tool, not a ratio benchmark (`run.py`
 times the variants side by side in rounds). Use `--depth 2`: the effect is per
-layer, and compiles take seconds instead of a minute.
+layer, and compiles take seconds instead of a minute. `--method` passes
+`gl.per_example_norms`' method to every group (`gram` or `materialized`: for the
+embedding, its masked Gram of the cotangents or its scattered per-example rows).
 
 Run: python benchmarks/records_cost.py [--depth 2 --seq 1024 --batch 8
-     --dtype bfloat16] [--groups embed,head] [--quick]
+     --dtype bfloat16] [--groups embed,head] [--method gram] [--quick]
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ GROUPS = {
 }
 
 
-def norms_of(loss, keep):
+def norms_of(loss, keep, method: str = "auto"):
   """The gradient and the per-example norms of the records whose names `keep` accepts."""
   def step(*args):
     grads, records = gl.call_and_reap(jax.grad(gl.record_layers(loss)))(*args)
     kept = {name: r for name, r in records.items() if keep(name)}
-    return grads, gl.per_example_norms(kept).norms
+    return grads, gl.per_example_norms(kept, method=method).norms
   return step
 
 
@@ -81,6 +83,8 @@ def main() -> None:
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--groups", default=",".join(GROUPS),
                       help=f"comma-separated, of: {', '.join(GROUPS)}")
+  parser.add_argument("--method", default="auto", choices=("auto", "gram", "materialized"),
+                      help="gl.per_example_norms' method, for every group")
   parser.add_argument("--quick", action="store_true",
                       help="width 64, 4 heads, vocabulary 512, seq 64 x batch 4")
   a = parser.parse_args()
@@ -92,8 +96,9 @@ def main() -> None:
   d = any_model.Decoder(depth=a.depth, **shape, dtype=a.dtype)
   loss, args = any_model.model(d)
   steps = {"plain": lambda *args: jax.grad(loss)(*args)}
-  steps.update({f"norms of {g}": norms_of(loss, GROUPS[g]) for g in a.groups.split(",")})
-  print(f"# {d.tag}, {a.depth} blocks, {jax.default_backend()}\n")
+  steps.update({f"norms of {g}": norms_of(loss, GROUPS[g], a.method)
+                for g in a.groups.split(",")})
+  print(f"# {d.tag}, {a.depth} blocks, method {a.method}, {jax.default_backend()}\n")
   print("| variant | ms per call | x plain | score fusions | compile (s) |")
   print("|---|---|---|---|---|")
   plain = None
