@@ -27,7 +27,9 @@ subsets and retrained losses.
 Timing: both sides on this CPU with two threads, one after the other; ours is one
 call of `fit_influence` + `scores` (the ratio's), and the same less the seconds JAX
 reports tracing, lowering and compiling (`jax.monitoring`); Kronfluence's are its
-`fit_all_factors` and `compute_pairwise_scores` wall times.
+`fit_all_factors` and `compute_pairwise_scores` wall times. Then the best of
+`REPEATS` calls on each side, everything counted (a repeated call of ours compiles
+nothing: issue 52's "compiled once").
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import time
 import numpy as np
 
 N_TRAIN, N_QUERY, BATCH, N_SUBSETS = 1000, 200, 100, 64
+REPEATS = 3  # Calls of fit + scores on each side; the best is compared (everything counted).
 
 
 def _example():
@@ -127,25 +130,31 @@ def torch_side(directory: str) -> None:
                         disable_tqdm=True, output_dir=os.path.join(directory, "kron"))
     factor_args = FactorArguments(strategy="ekfac", use_empirical_fisher=True)
     score_args = ScoreArguments(damping_factor=None)
-    start = time.perf_counter()
-    analyzer.fit_all_factors(factors_name=name, dataset=train, per_device_batch_size=BATCH,
-                             factor_args=factor_args, overwrite_output_dir=True)
-    fit_s = time.perf_counter() - start
-    start = time.perf_counter()
-    if run["pairwise"]:
-      analyzer.compute_pairwise_scores(
-          scores_name=name, factors_name=name, query_dataset=query, train_dataset=train,
-          per_device_query_batch_size=N_QUERY, per_device_train_batch_size=BATCH,
-          score_args=score_args, overwrite_output_dir=True)
-      scores = analyzer.load_pairwise_scores(name)["all_modules"].numpy()
-    else:
-      analyzer.compute_self_scores(scores_name=name, factors_name=name, train_dataset=train,
-                                   per_device_train_batch_size=BATCH, score_args=score_args,
-                                   overwrite_output_dir=True)
-      scores = analyzer.load_self_scores(name)["all_modules"].numpy()
-    score_s = time.perf_counter() - start
+    totals, first = [], None
+    for _ in range(REPEATS if run["pairwise"] else 1):
+      start = time.perf_counter()
+      analyzer.fit_all_factors(factors_name=name, dataset=train,
+                               per_device_batch_size=BATCH, factor_args=factor_args,
+                               overwrite_output_dir=True)
+      fit_s = time.perf_counter() - start
+      start = time.perf_counter()
+      if run["pairwise"]:
+        analyzer.compute_pairwise_scores(
+            scores_name=name, factors_name=name, query_dataset=query, train_dataset=train,
+            per_device_query_batch_size=N_QUERY, per_device_train_batch_size=BATCH,
+            score_args=score_args, overwrite_output_dir=True)
+        scores = analyzer.load_pairwise_scores(name)["all_modules"].numpy()
+      else:
+        analyzer.compute_self_scores(scores_name=name, factors_name=name,
+                                     train_dataset=train, per_device_train_batch_size=BATCH,
+                                     score_args=score_args, overwrite_output_dir=True)
+        scores = analyzer.load_self_scores(name)["all_modules"].numpy()
+      score_s = time.perf_counter() - start
+      first = first or (fit_s, score_s)
+      totals.append(fit_s + score_s)
     np.save(os.path.join(directory, f"{name}.scores.npy"), scores)
-    results[name] = {"fit_s": fit_s, "score_s": score_s, "torch": torch.__version__}
+    results[name] = {"fit_s": first[0], "score_s": first[1], "best_s": min(totals),
+                     "torch": torch.__version__}
   json.dump(results, open(os.path.join(directory, "torch.json"), "w"))
 
 
@@ -276,7 +285,8 @@ def main() -> None:
         f"{N_TRAIN} training examples, {N_QUERY} queries, batch {BATCH}, EK-FAC, "
         "damping 0.1 x mean eigenvalue, empirical Fisher")
   print(f"{'model':<6} {'Spearman min':>12} {'median':>7} {'rel. error':>10} "
-        f"{'ours s':>7} {'less compile':>12} {'Kronfluence s':>13} {'ratio':>6}")
+        f"{'ours s':>7} {'less compile':>12} {'Kronfluence s':>13} {'ratio':>6} "
+        f"{'best of ' + str(REPEATS) + ': ours':>17} {'Kronfluence':>11} {'ratio':>6}")
   for run in runs[:2]:
     name, loss = run["name"], loss_of(run["model"])
     batches = _batches(run["x"], run["y"])
@@ -286,6 +296,12 @@ def main() -> None:
     ours = influence.scores([(query_x, query_y)], batches)
     total = time.perf_counter() - start
     times = [total, total - sum(compiling)]
+    best = total
+    for _ in range(REPEATS - 1):  # Everything counted: a call compiles what it needs.
+      start = time.perf_counter()
+      gl.fit_influence(loss, params[name], batches, strategy="ekfac").scores(
+          [(query_x, query_y)], batches)
+      best = min(best, time.perf_counter() - start)
     reference = np.load(os.path.join(directory, f"{name}.scores.npy"))
     rho = _spearman(ours, reference)
     rel = np.linalg.norm(ours - reference) / np.linalg.norm(reference)
@@ -307,8 +323,10 @@ def main() -> None:
             f"{_spearman(ours[worst:worst + 1], exact[worst:worst + 1])[0]:.5f}, Kronfluence "
             f"{_spearman(reference[worst:worst + 1], exact[worst:worst + 1])[0]:.5f}")
     kron_s = theirs[name]["fit_s"] + theirs[name]["score_s"]
+    kron_best = theirs[name]["best_s"]
     print(f"{name:<6} {rho.min():>12.5f} {np.median(rho):>7.5f} {rel:>10.2e} "
-          f"{times[0]:>7.2f} {times[1]:>12.2f} {kron_s:>13.2f} {times[0] / kron_s:>6.2f}")
+          f"{times[0]:>7.2f} {times[1]:>12.2f} {kron_s:>13.2f} {times[0] / kron_s:>6.2f} "
+          f"{best:>17.2f} {kron_best:>11.2f} {best / kron_best:>6.2f}")
   # LDS on the MLP: the example's retraining on random halves, vmapped.
   example = _example()
   subsets = np.random.default_rng(2).random((N_SUBSETS, N_TRAIN)) < 0.5
