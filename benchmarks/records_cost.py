@@ -5,18 +5,20 @@ times the plain gradient beside the gradient plus `gl.per_example_norms` of one 
 of `gl.record_layers`' records at a time (attention's query and key, value, output,
 the MLP, the layer norms, the embedding, the output head, the position embedding),
 and of all of them, each a `jax.jit` called in a Python loop with the same
-arguments (nothing donated), at JAX's default matmul precision. It also counts the
+arguments (nothing donated), at JAX's default matmul precision, timed side by side in
+interleaved rounds (`_harness.measure`: the ratio to plain is the median of the
+per-round ratios, with their interquartile range). It also counts the
 attention score products that XLA leaves as their own fusion, unfused from the
 softmax that reads them (top-level fusions whose output is a float32 `(B, H, T, T)`
 array; their number over plain's is one per layer where the softmax lost its
 product).
 
 This is how the TPU's bfloat16 gap at sequence 1024 was traced to the embedding's
-record (RESULTS.md, issue 50): a diagnosis tool, not a ratio benchmark (`run.py`
-times the variants side by side in rounds). Use `--depth 2`: the effect is per
-layer, and compiles take seconds instead of a minute. `--method` passes
-`gl.per_example_norms`' method to every group (`gram` or `materialized`: for the
-embedding, its masked Gram of the cotangents or its scattered per-example rows).
+record (RESULTS.md, issue 50): a diagnosis tool, not one of `run.py`'s workloads (no
+targets). Use `--depth 2`: the effect is per layer, and compiles take seconds instead
+of a minute. `--method` passes `gl.per_example_norms`' method to every group (`gram`
+or `materialized`: for the embedding, its masked Gram of the cotangents or its
+scattered per-example rows).
 
 Run: python benchmarks/records_cost.py [--depth 2 --seq 1024 --batch 8
      --dtype bfloat16] [--groups embed,head] [--method gram] [--quick]
@@ -26,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import time
 
 import jax
 
+import _harness as h
 import bench_any_model as any_model
 import oryx_gradlog as gl
 
@@ -63,18 +65,6 @@ def score_fusions(hlo: str, d: any_model.Decoder) -> int:
                         hlo, re.M))
 
 
-def time_ms(compiled, args, rounds: int = 5, calls: int = 10) -> float:
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(rounds):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls * 1e3)
-  return statistics.median(times)
-
-
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--depth", type=int, default=2)
@@ -98,19 +88,23 @@ def main() -> None:
   steps = {"plain": lambda *args: jax.grad(loss)(*args)}
   steps.update({f"norms of {g}": norms_of(loss, GROUPS[g], a.method)
                 for g in a.groups.split(",")})
-  print(f"# {d.tag}, {a.depth} blocks, method {a.method}, {jax.default_backend()}\n")
-  print("| variant | ms per call | x plain | score fusions | compile (s) |")
-  print("|---|---|---|---|---|")
-  plain = None
+  settings = h.Settings.make(a.quick, device=jax.default_backend())
+  h.cache_compiles(settings)  # On an accelerator the timed jit reads this compile back.
+  fusions, compile_s = {}, {}
   for key, step in steps.items():
     start = time.perf_counter()
-    compiled = jax.jit(step).lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    ms = time_ms(compiled, args)
-    plain = plain or ms
-    print(f"| {key} | {ms:.2f} | {ms / plain:.3f} | "
-          f"{score_fusions(compiled.as_text(), d)} | {compile_s:.1f} |", flush=True)
-
+    fusions[key] = score_fusions(jax.jit(step).lower(*args).compile().as_text(), d)
+    compile_s[key] = time.perf_counter() - start
+  m = h.measure({key: h.Variant(key, jax.jit(step), args) for key, step in steps.items()},
+                settings)
+  print(f"# {d.tag}, {a.depth} blocks, method {a.method}, {settings.device}; "
+        "interleaved rounds, nothing donated\n")
+  print("| variant | ms per call | x plain (IQR) | score fusions | compile (s) |")
+  print("|---|---|---|---|---|")
+  for key in steps:
+    ratio = h.compare(0, m, key, "plain", None, settings)
+    print(f"| {key} | {m[key].median_s * 1e3:.2f} | {ratio.value:.3f} ({ratio.low:.3f}-"
+          f"{ratio.high:.3f}) | {fusions[key]} | {compile_s[key]:.1f} |")
 
 if __name__ == "__main__":
   main()
