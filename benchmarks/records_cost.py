@@ -14,19 +14,20 @@ array; their number over plain's is one per layer where the softmax lost its
 product).
 
 This is how the TPU's bfloat16 gap at sequence 1024 was traced to the embedding's
-record (RESULTS.md, issue 50): a diagnosis tool, not one of `run.py`'s workloads (no
-targets). Use `--depth 2`: the effect is per layer, and compiles take seconds instead
+record (RESULTS.md, issue 50: its Gram form's `(B, T, T)` array, now replaced by
+sorted ids): a diagnosis tool, not one of `run.py`'s workloads (no targets). Use `--depth 2`: the effect is per layer, and compiles take seconds instead
 of a minute. `--method` passes `gl.per_example_norms`' method to every group (`gram`
 or `materialized`: for the embedding, its masked Gram of the cotangents or its
 scattered per-example rows).
 
 Run: python benchmarks/records_cost.py [--depth 2 --seq 1024 --batch 8
-     --dtype bfloat16] [--groups embed,head] [--method gram] [--quick]
+     --dtype bfloat16] [--groups embed,head] [--method gram] [--hlo DIR] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
 
@@ -75,6 +76,8 @@ def main() -> None:
                       help=f"comma-separated, of: {', '.join(GROUPS)}")
   parser.add_argument("--method", default="auto", choices=("auto", "gram", "materialized"),
                       help="gl.per_example_norms' method, for every group")
+  parser.add_argument("--hlo", metavar="DIR",
+                      help="also write each variant's compiled HLO text into DIR")
   parser.add_argument("--quick", action="store_true",
                       help="width 64, 4 heads, vocabulary 512, seq 64 x batch 4")
   a = parser.parse_args()
@@ -93,8 +96,13 @@ def main() -> None:
   fusions, compile_s = {}, {}
   for key, step in steps.items():
     start = time.perf_counter()
-    fusions[key] = score_fusions(jax.jit(step).lower(*args).compile().as_text(), d)
+    hlo = jax.jit(step).lower(*args).compile().as_text()
     compile_s[key] = time.perf_counter() - start
+    fusions[key] = score_fusions(hlo, d)
+    if a.hlo:
+      os.makedirs(a.hlo, exist_ok=True)
+      with open(os.path.join(a.hlo, re.sub(r"\W+", "_", key) + ".hlo.txt"), "w") as f:
+        f.write(hlo)
   m = h.measure({key: h.Variant(key, jax.jit(step), args) for key, step in steps.items()},
                 settings)
   print(f"# {d.tag}, {a.depth} blocks, method {a.method}, {settings.device}; "

@@ -214,13 +214,15 @@ def costs(kind: str, batch: int, positions: int, d_in: int, d_out: int,
   """Per method, `(multiply-adds, floats held)` of a layer's per-example squared norms.
 
   Gram: `B T^2 (d_in + d_out)` multiply-adds and two `(B, T, T)` Gram matrices;
-  materialised: `B T d_in d_out` and the `(B, d_in, d_out)` per-example gradients
-  (an embedding: the scatter of `B T d` rows into `B` tables of `V d`). With `T = 1`
-  the Gram form is `|x_i|^2 |g_i|^2`.
+  materialised: `B T d_in d_out` and the `(B, d_in, d_out)` per-example gradients.
+  An embedding's Gram form sorts each example's ids and sums the rows of each run of
+  equal ids (`B T (d + log T)`, two `(B, T, d)` arrays); materialised, it scatters
+  `B T d` rows into `B` tables of `V d`. With `T = 1` the Gram form is
+  `|x_i|^2 |g_i|^2`.
   """
   b, t = batch, positions
-  if kind == EMBED:
-    gram = (b * t * t * (d_out + 1), b * t * t)
+  if kind == EMBED:  # Sorted ids, one sum per run of equal ids (no (T, T) Gram).
+    gram = (b * t * (d_out + max(t.bit_length(), 1)), 2 * b * t * d_out)
     materialized = (b * (t + vocabulary) * d_out, b * vocabulary * d_out)
   else:
     gram = (b * t * t * (d_in + d_out), 2 * b * t * t)

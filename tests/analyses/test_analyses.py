@@ -147,7 +147,7 @@ def test_per_example_norms_match_vmap_grad(model):
   auto = {"mlp": {"fc1": "gram", "fc2": "gram"},
           "sequence": {"up": "materialized", "down": "materialized"},
           "conv": {"c1": "materialized", "c2": "materialized"},
-          "embedding": {"emb": "materialized", "proj": "materialized"}}[model]
+          "embedding": {"emb": "gram", "proj": "materialized"}}[model]
   assert results[0].method == auto
 
 
@@ -247,6 +247,36 @@ def test_stacked_calls_give_norms_per_call_and_tied_calls_sum():
   np.testing.assert_allclose(norms.layers["block"], per_call, rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(norms.layers["cell"], _norms(grads["cell"]), rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(norms.norms, _norms(grads), rtol=RTOL, atol=ATOL)
+
+
+def _embed_scan_loss(params, ids, y, batched=False):
+  """Three stacked tables in a scan (one table per field), then one table looked up
+  at every step of a scan (tied calls); ids repeat within and across the calls."""
+  def field(h, xs):
+    table, field_ids = xs
+    return h + gl.embed(field_ids, table, name="fields"), None
+  h = jax.lax.scan(field, jnp.zeros(ids.shape[1:] + (3,)), (params["fields"], ids))[0]
+  def step(h, step_ids):
+    return h + gl.embed(step_ids, params["shared"], name="shared"), None
+  h = jax.lax.scan(step, h, ids)[0]
+  return jnp.sum((jnp.tanh(h) - y) ** 2, axis=(-2, -1))
+
+
+@pytest.mark.parametrize("method", ["gram", "materialized"])
+def test_embedding_norms_per_call_and_with_tied_calls(method):
+  params = {"fields": _normal(40, (3, 5, 3)), "shared": _normal(41, (5, 3))}
+  ids = jnp.array([[[0, 0, 4], [1, 2, 1]], [[3, 3, 3], [0, 4, 0]],
+                   [[4, 0, 1], [1, 1, 2]]])  # (calls, batch, positions)
+  y = _normal(42, (2, 3, 3))
+  grads = _per_example_grads(_embed_scan_loss, params, jnp.moveaxis(ids, 1, 0), y)
+  norms = jax.jit(lambda p, ids, y: gl.per_example_norms(
+      gl.reap(jax.grad(_batch_loss(_embed_scan_loss)))(p, ids, y), tied=("shared",),
+      method=method))(params, ids, y)
+  per_call = np.stack([_norms(grads["fields"][:, i]) for i in range(3)])
+  np.testing.assert_allclose(norms.layers["fields"], per_call, rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(norms.layers["shared"], _norms(grads["shared"]),
+                             rtol=RTOL, atol=ATOL)
+  assert norms.method == {"fields": method, "shared": method}
 
 
 def test_flax_style_dot_general_counts_the_bias_added_after_it():

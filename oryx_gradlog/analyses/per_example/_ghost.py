@@ -13,7 +13,8 @@ or, when that is cheaper, materialise `x_i^T g_i` (T d_in d_out) and square it; 
 choice is made per layer and reported in `PerExampleNorms.methods`. The bias's
 per-example gradient is `sum_t g_it`. An embedding's per-example gradient scatters
 the rows of `g_i` into the table rows named by the ids, so its squared norm is
-`sum_{t,s} [id_t == id_s] <g_t, g_s>`. A 2-D convolution is a dense layer over the
+`sum_{t,s} [id_t == id_s] <g_t, g_s>`: its Gram form sorts the ids and sums the
+rows of each run of equal ids (`T d`, no `(T, T)` array). A 2-D convolution is a dense layer over the
 patches of its input (`jax.lax.conv_general_dilated_patches`), one position per
 output pixel; feature groups are independent dense layers.
 
@@ -117,8 +118,8 @@ def weight_squared_norms(view: LayerView, method: str) -> jax.Array:
     if method == GRAM and g.shape[2] == 1:
       return jnp.sum(g * g, axis=(2, 3))
     if method == GRAM:
-      same = x[..., :, None] == x[..., None, :]
-      return jnp.sum(jnp.where(same, dot("sbtd,sbud->sbtu", g, g), 0.0), axis=(2, 3))
+      sums = same_id_sums(x, g)
+      return jnp.sum(sums * sums, axis=(2, 3))
     table = jnp.zeros(g.shape[:2] + (view.vocabulary, g.shape[3]), g.dtype)
     scatter = lambda table, ids, g: table.at[ids].add(g)
     per_example = jax.vmap(jax.vmap(scatter))(table, x, g)
@@ -129,6 +130,21 @@ def weight_squared_norms(view: LayerView, method: str) -> jax.Array:
     return jnp.sum(dot("sbtd,sbud->sbtu", x, x) * dot("sbtd,sbud->sbtu", g, g), axis=(2, 3))
   per_example = dot("sbtd,sbte->sbde", x, g)
   return jnp.sum(per_example * per_example, axis=(2, 3))
+
+
+def same_id_sums(ids: jax.Array, g: jax.Array) -> jax.Array:
+  """`(S, B, T, d)`: each example's rows of `g` summed over its equal ids, one row per
+  distinct id (the rest zero), in `B T log T + B T d` work with no `(T, T)` array:
+  the ids are sorted, and the rows of each run of equal sorted ids summed."""
+  positions = jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
+  ids, order = jax.lax.sort((ids, positions), dimension=ids.ndim - 1, num_keys=1)
+  g = jnp.take_along_axis(g, order[..., None], axis=-2)
+  starts = jnp.concatenate(
+      [jnp.ones_like(ids[..., :1], bool), ids[..., 1:] != ids[..., :-1]], axis=-1)
+  runs = jnp.cumsum(starts, axis=-1) - 1
+  sum_runs = functools.partial(jax.ops.segment_sum, num_segments=ids.shape[-1],
+                               indices_are_sorted=True)
+  return jax.vmap(jax.vmap(sum_runs))(g, runs)
 
 
 def squared_norms(
