@@ -27,11 +27,14 @@ parameters with several uses, generic uses).
 
 Sharp edges:
   * Only the marked layers count (Cockpit counts every parameter of the model).
-  * Elements not counted by their signs are binned by one scatter-add, up to B
-    times the parameters per reading: then the costliest of the per-step
-    instruments (see `benchmarks/RESULTS.md`). Read it every k steps. On JAX 0.5.0
-    XLA's CPU scatter-add is about 15 times slower than on 0.10.2, and so are such
-    histograms. Sequences and convolutions (`T > 1`) bin every element.
+  * Elements not counted by their signs are binned, up to B times the parameters
+    per reading: then the costliest of the per-step instruments (see
+    `benchmarks/RESULTS.md`). Read it every k steps. A CPU or GPU bins by one
+    scatter-add (`jnp.bincount`); on JAX 0.5.0 XLA's CPU scatter-add is about 15
+    times slower than on 0.10.2, and so are such histograms. A TPU, where
+    scatter-adds are slow, counts by products of one-hot bin digits on its matrix
+    unit (`product_counts`: `bins` multiply-adds an element). Sequences and
+    convolutions (`T > 1`) bin every element.
   * Where zero is a bin edge (Cockpit's ranges), a value below zero is counted left
     of it, as `np.histogram` does, though float32 rounds `-1e-9 - low` to `-low`.
   * Counts are int32: at most 2**31 - 1 elements (examples times parameters).
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -67,6 +71,9 @@ CHUNK_ELEMENTS = 1 << 21
 # in one of the two bins at zero); CUTS: the parts (1/16, 1/4, 1/2) of the largest rows
 # or columns that the other branches bin one by one.
 NEAR, CUTS = 1 - 2.0 ** -10, (16, 4, 2)
+# Indices counted by one one-hot product on a TPU (`product_counts`): float32 sums
+# of ones are exact below 2**24.
+PRODUCT_CHUNK = 1 << 22
 
 
 @functools.partial(
@@ -113,12 +120,44 @@ def _bin(values, bins: int, low: float, high: float) -> jax.Array:
   return jnp.clip(index, 0, bins - 1)
 
 
+def product_counts(index: jax.Array, length: int) -> jax.Array:
+  """`jnp.bincount(index, length=length)` of indices in `[0, length)`, without a
+  scatter: a product of one-hot digits, `one_hot(index // b)^T one_hot(index % b)`
+  (`b = ceil(sqrt(length))`), on a TPU's matrix unit in `n length` multiply-adds.
+  The one-hots are bfloat16 and the sums float32, exact a chunk of `PRODUCT_CHUNK`
+  (< 2**24) indices at a time; the chunks' int32 counts are summed in a scan."""
+  index = index.ravel()
+  b = math.isqrt(length - 1) + 1
+  a = -(-length // b)
+  chunk = max(1, min(PRODUCT_CHUNK, index.size))
+  pad = -index.size % chunk
+  index = jnp.pad(index, (0, pad), constant_values=-1)  # One-hot rows of zeros.
+
+  def add(total, index):
+    hi = jax.nn.one_hot(index // b, a, dtype=jnp.bfloat16)
+    lo = jax.nn.one_hot(index % b, b, dtype=jnp.bfloat16)
+    counts = jnp.einsum("na,nb->ab", hi, lo, preferred_element_type=jnp.float32)
+    return total + counts.astype(jnp.int32), None
+
+  chunks = index.reshape(-1, chunk)
+  total = lax.scan(add, jnp.zeros((a, b), jnp.int32), chunks)[0]
+  return total.reshape(-1)[:length]
+
+
+def _counts(index: jax.Array, length: int) -> jax.Array:
+  """`jnp.bincount(index, length=length)`: a scatter-add on a CPU or a GPU, one-hot
+  products on a TPU (where a scatter-add is slow: `product_counts`)."""
+  return lax.platform_dependent(
+      index, tpu=functools.partial(product_counts, length=length),
+      default=lambda index: jnp.bincount(index.ravel(), length=length))
+
+
 def histogram_1d(arrays, bins: int = BINS_1D, value_range=RANGE_1D) -> jax.Array:
   """Counts of the elements of all `arrays` in `bins` bins (clamped to the range)."""
   low, high = value_range
   counts = jnp.zeros((bins,), jnp.int32)
   for values in arrays:
-    counts = counts + jnp.bincount(_bin(values, bins, low, high).ravel(), length=bins)
+    counts = counts + _counts(_bin(values, bins, low, high), bins)
   return counts
 
 
@@ -131,7 +170,7 @@ def histogram_2d(pairs, bins=BINS_2D, value_range=RANGE_2D) -> jax.Array:
   for x, y in pairs:
     x, y = jnp.broadcast_arrays(x, y)
     index = y_bins * _bin(x, x_bins, x_low, x_high) + _bin(y, y_bins, y_low, y_high)
-    counts = counts + jnp.bincount(index.ravel(), length=x_bins * y_bins)
+    counts = counts + _counts(index, x_bins * y_bins)
   return counts.reshape(x_bins, y_bins)
 
 
@@ -183,8 +222,9 @@ def _rank_one_counts(x, g, scale: float, bins: int, value_range) -> jax.Array:
 
   def by_signs(part_negative, part_size):
     rest = n * d_in * d_out - part_size
-    return (jnp.zeros((bins,), jnp.int32).at[zero - 1].add(negative - part_negative)
-            .at[zero].add(rest - negative + part_negative))
+    at = jnp.arange(bins)
+    return (jnp.where(at == zero - 1, negative - part_negative, 0)
+            + jnp.where(at == zero, rest - negative + part_negative, 0)).astype(jnp.int32)
 
   def cut(axis, k):
     def branch(x, g):

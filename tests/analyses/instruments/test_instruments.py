@@ -386,11 +386,32 @@ def _one_1d_histogram(grads, batch):
   return np.histogram(np.clip(g, -2, 2), bins=100, range=(-2, 2))[0]
 
 
+def _count_by_products(monkeypatch):
+  """A TPU's counting (`product_counts`, one-hot products) on this machine, in
+  chunks of 1,000 indices (several chunks, the last one padded)."""
+  monkeypatch.setattr(_histograms, "_counts", _histograms.product_counts)
+  monkeypatch.setattr(_histograms, "PRODUCT_CHUNK", 1000)
+
+
+@pytest.mark.parametrize("length", [1, 7, 100, 2000])
+def test_product_counts_equal_bincount(monkeypatch, length):
+  monkeypatch.setattr(_histograms, "PRODUCT_CHUNK", 1000)
+  index = np.random.default_rng(length).integers(0, length, 2500)
+  index[:3] = [0, length - 1, 0]
+  counts = jax.jit(_histograms.product_counts, static_argnums=1)(index, length)
+  np.testing.assert_array_equal(counts, np.bincount(index, minlength=length))
+  assert counts.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("counting", ["scatter", "products"])
 @pytest.mark.parametrize("chunk", CHUNKS.values(), ids=CHUNKS.keys())
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gradient_histogram_of_found_layers_matches_vmap_grad(monkeypatch, chunk, reduction):
+def test_gradient_histogram_of_found_layers_matches_vmap_grad(monkeypatch, chunk, reduction,
+                                                              counting):
   if chunk is not None:
     monkeypatch.setattr(_histograms, "CHUNK_ELEMENTS", chunk)
+  if counting == "products":
+    _count_by_products(monkeypatch)
   params, x, y, _, plain = _model(reduction)
   params = jax.tree.map(lambda v: 0.3 * v, params)  # Gradients inside [-2, 2] mostly.
   reduce = jnp.mean if reduction == "mean" else jnp.sum
@@ -419,10 +440,13 @@ def _rank_one_examples():
   return x, g
 
 
+@pytest.mark.parametrize("counting", ["scatter", "products"])
 @pytest.mark.parametrize("chunk", [64 * 48, None], ids=["one_example", "default"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gradient_histogram_of_rank_one_layers_matches_vmap_grad(monkeypatch, chunk,
-                                                                 reduction):
+                                                                 reduction, counting):
+  if counting == "products":
+    _count_by_products(monkeypatch)
   x, g = _rank_one_examples()
   plans = [int(_histograms._rank_one_plan(x[i:i + 1], g[i:i + 1], 1.0, 100, (-2.0, 2.0)))  # pylint: disable=protected-access
            for i in range(len(x))]
@@ -448,12 +472,16 @@ def test_gradient_histogram_of_rank_one_layers_matches_vmap_grad(monkeypatch, ch
 @pytest.mark.parametrize("chunk", [pytest.param(1, marks=pytest.mark.slow), 80, None],
                          ids=CHUNKS.keys())
 @pytest.mark.parametrize("found", [False, True], ids=["marked", "found"])
-def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, chunk, found):
+@pytest.mark.parametrize("counting", ["scatter", "products"])
+def test_gradient_histograms_on_every_layer_kind_match_vmap_grad(monkeypatch, chunk, found,
+                                                                 counting):
   # Found by gl.record_layers, the uses read by one use each (embedding, layer norm,
   # convolution, stacked dense, dot_general and bias) are counted a chunk of examples
   # at a time, in both histograms; the tied dense layer's two uses whole.
   if chunk is not None:
     monkeypatch.setattr(_histograms, "CHUNK_ELEMENTS", chunk)
+  if counting == "products":
+    _count_by_products(monkeypatch)
   p, ids, img, y = _every_layer_kind_inputs()
   one = lambda p, ids, img, y: _every_layer_kind(p, ids[None], img[None], y[None])[0]
   grads = jax.vmap(jax.grad(one), in_axes=(None, 0, 0, 0))(p, ids, img, y)
