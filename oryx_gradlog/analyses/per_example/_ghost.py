@@ -13,10 +13,10 @@ or, when that is cheaper, materialise `x_i^T g_i` (T d_in d_out) and square it; 
 choice is made per layer and reported in `PerExampleNorms.methods`. The bias's
 per-example gradient is `sum_t g_it`. An embedding's per-example gradient scatters
 the rows of `g_i` into the table rows named by the ids, so its squared norm is
-`sum_{t,s} [id_t == id_s] <g_t, g_s>`: its Gram form sorts the ids and sums the
-rows of each run of equal ids (`T d`, no `(T, T)` array). A 2-D convolution is a dense layer over the
-patches of its input (`jax.lax.conv_general_dilated_patches`), one position per
-output pixel; feature groups are independent dense layers.
+`sum_{t,s} [id_t == id_s] <g_t, g_s>`; its "Gram" form sorts the ids and sums the
+rows of each run of equal ids (`T d`, no `(T, T)` array). A 2-D convolution is a
+dense layer over the patches of its input (`jax.lax.conv_general_dilated_patches`),
+one position per output pixel; feature groups are independent dense layers.
 
 Everything comes from the layer records (`x`, `g`) of the batch loss's backward pass:
 `gl.reap(jax.grad(gl.record_layers(loss)))(...)` for any model (the uses of each
