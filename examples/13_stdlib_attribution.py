@@ -17,7 +17,8 @@ WikiText-2 case (about 4,600 training sequences of 512 tokens and 481 queries).
 4. For a few queries, the most helpful training sequences shown as what they are:
    the file and line each starts at, and its first line of text.
 
-Each phase's time is printed apart (the first call of each compiles).
+Each phase's time is printed apart, and of it the seconds JAX spent tracing and
+compiling (its monitoring events).
 
 Sizes (`--size`): `quick`, 2 blocks of width 64 on the first files (seconds: the test
 suite runs it); `small` (the default), 2 blocks of width 128, 512 training
@@ -30,8 +31,11 @@ The checks at the end: the low-rank scores of a few queries against their whole
 gradients' (Spearman per query); with `strategy="identity"`, the scores of a few
 queries and training sequences equal `vmap(grad)`'s gradient inner products.
 
+`--params FILE` keeps the trained parameters between runs (an accelerator's calls of
+ten minutes: `--train-only` in one, the rest in the next).
+
 Run: python examples/13_stdlib_attribution.py [--quick | --size small|medium|gpt2]
-     [--query-rank R]
+     [--query-rank R] [--params FILE [--train-only]]
 """
 
 import argparse
@@ -150,6 +154,33 @@ def train(loss, params, windows, steps: int, batch: int, seed: int = 0):
   return params, float(value)
 
 
+def compile_clock():
+  """A function that returns the seconds JAX has spent tracing, lowering and
+  compiling since this call (its `/jax/core/compile/` duration events)."""
+  total = [0.0]
+
+  def on_duration(event: str, seconds: float, **_):
+    if event.startswith("/jax/core/compile/"):
+      total[0] += seconds
+
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  return lambda: total[0]
+
+
+def load_params(path: str, like):
+  """Parameters saved by `--params` (`np.savez` of the leaves, in order), checked
+  against the model's own shapes."""
+  with np.load(path) as saved:
+    leaves = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+  expected = [v.shape for v in jax.tree.leaves(like)]
+  if [v.shape for v in leaves] != expected:
+    raise ValueError(
+        f"--params: {path} holds parameters of other shapes ({len(leaves)} arrays, "
+        f"not this --size's {len(expected)} of shapes {expected[:3]}...); give this "
+        "size's file, or a path that does not exist to train and save there.")
+  return jax.tree.unflatten(jax.tree.structure(like), [jnp.asarray(v) for v in leaves])
+
+
 def batches(windows, batch: int):
   return [(windows[i:i + batch, :-1], windows[i:i + batch, 1:])
           for i in range(0, len(windows), batch)]
@@ -171,6 +202,11 @@ def main():
   parser.add_argument("--quick", action="store_true", help="--size quick")
   parser.add_argument("--query-rank", type=int, default=None,
                       help="the queries' rank per layer (default: the size's)")
+  parser.add_argument("--params", default=None, metavar="FILE",
+                      help="the trained parameters (.npz): loaded where FILE exists "
+                      "(training skipped), else trained and saved there")
+  parser.add_argument("--train-only", action="store_true",
+                      help="stop after training (with --params: save them for a later run)")
   parser.add_argument("--run-dir", default=None, help="unused (the tests pass it)")
   args = parser.parse_args()
   size = SIZES["quick" if args.quick else args.size]
@@ -184,22 +220,32 @@ def main():
   graphdef, params, rest = model(size)
   loss = make_loss(graphdef, rest)
 
-  started = time.perf_counter()
-  params, last = train(loss, params, train_windows, size["steps"], size["batch"])
-  times = {"train": time.perf_counter() - started}
-  print(f"trained {size['steps']} steps: loss {last:.3f} nats a byte")
+  compiling = compile_clock()
+  started, compiled = time.perf_counter(), compiling()
+  if args.params and os.path.exists(args.params):
+    params = load_params(args.params, params)
+    print(f"loaded the trained parameters from {args.params}")
+  else:
+    params, last = train(loss, params, train_windows, size["steps"], size["batch"])
+    print(f"trained {size['steps']} steps: loss {last:.3f} nats a byte")
+    if args.params:
+      np.savez(args.params, *(np.asarray(v) for v in jax.tree.leaves(params)))
+  times = {"train": (time.perf_counter() - started, compiling() - compiled)}
+  if args.train_only:
+    return
 
-  started = time.perf_counter()
+  started, compiled = time.perf_counter(), compiling()
   influence = gl.fit_influence(loss, params, batches(train_windows, size["batch"]),
                                progress=False)
-  times["fit EK-FAC"] = time.perf_counter() - started
-  started = time.perf_counter()
+  times["fit EK-FAC"] = (time.perf_counter() - started, compiling() - compiled)
+  started, compiled = time.perf_counter(), compiling()
   scores = influence.scores(batches(query_windows, size["batch"]),
                             batches(train_windows, size["batch"]), query_rank=rank,
                             progress=False)
-  times[f"scores (rank {rank})"] = time.perf_counter() - started
-  print("times (s, first calls compile): " + ", ".join(
-      f"{phase} {seconds:.1f}" for phase, seconds in times.items()))
+  times[f"scores (rank {rank})"] = (time.perf_counter() - started, compiling() - compiled)
+  print("times (s, of them compiling): " + ", ".join(
+      f"{phase} {seconds:.1f} ({compile_s:.1f})"
+      for phase, (seconds, compile_s) in times.items()))
 
   helpful, _ = gl.Influence.top_k(scores, 3)
   for q in range(3):

@@ -34,3 +34,19 @@ def test_example_runs_and_checks_itself(path, capsys, monkeypatch, tmp_path):
   monkeypatch.setattr(sys, "argv", argv)
   runpy.run_path(str(path), run_name="__main__")
   assert "check:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_stdlib_attribution_keeps_its_trained_parameters(capsys, monkeypatch, tmp_path):
+  path = next(p for p in EXAMPLES if p.stem == "13_stdlib_attribution")
+  saved = tmp_path / "params.npz"
+  run = lambda *flags: (monkeypatch.setattr(sys, "argv", [str(path), *flags]),
+                        runpy.run_path(str(path), run_name="__main__"))
+  run("--quick", "--params", str(saved), "--train-only")
+  assert "trained 60 steps" in capsys.readouterr().out and saved.exists()
+  run("--quick", "--params", str(saved), "--train-only")
+  out = capsys.readouterr().out
+  assert "loaded the trained parameters" in out and "trained" not in out.replace(
+      "the trained parameters", "")
+  with pytest.raises(ValueError, match="--params: .* other shapes"):
+    run("--size", "small", "--params", str(saved), "--train-only")
