@@ -34,8 +34,12 @@ queries and training sequences equal `vmap(grad)`'s gradient inner products.
 `--params FILE` keeps the trained parameters between runs (an accelerator's calls of
 ten minutes: `--train-only` in one, the rest in the next).
 
+`--save-scores` and `--compare-scores` compare two runs' scores, query by query (the
+TPU's default precision against `JAX_DEFAULT_MATMUL_PRECISION=highest`).
+
 Run: python examples/13_stdlib_attribution.py [--quick | --size small|medium|gpt2]
-     [--query-rank R] [--params FILE [--train-only]]
+     [--query-rank R] [--params FILE [--train-only]] [--queries N]
+     [--save-scores FILE] [--compare-scores FILE]
 """
 
 import argparse
@@ -207,6 +211,13 @@ def main():
                       "(training skipped), else trained and saved there")
   parser.add_argument("--train-only", action="store_true",
                       help="stop after training (with --params: save them for a later run)")
+  parser.add_argument("--queries", type=int, default=None, metavar="N",
+                      help="score only the first N query sequences")
+  parser.add_argument("--save-scores", default=None, metavar="FILE",
+                      help="save the scores (queries x training sequences, .npy)")
+  parser.add_argument("--compare-scores", default=None, metavar="FILE",
+                      help="per-query Spearman of the scores against FILE's (another "
+                      "run's --save-scores: e.g. JAX_DEFAULT_MATMUL_PRECISION=highest)")
   parser.add_argument("--run-dir", default=None, help="unused (the tests pass it)")
   args = parser.parse_args()
   size = SIZES["quick" if args.quick else args.size]
@@ -214,8 +225,17 @@ def main():
   seq, n_train = size["seq"], size["n_train"]
   (train_windows, train_where), (query_windows, query_where), (files, text_bytes) = (
       problem(size))
+  query_windows, query_where = query_windows[:args.queries], query_where[:args.queries]
   print(f"corpus: {files} files, {text_bytes / 1e6:.2f} MB; {len(train_windows)} "
         f"training and {len(query_windows)} query sequences of {seq} bytes")
+
+  if args.compare_scores:  # Checked before the work, not after.
+    other = np.load(args.compare_scores)
+    if other.shape != (len(query_windows), len(train_windows)):
+      raise ValueError(
+          f"--compare-scores: {args.compare_scores} holds {other.shape} scores, this "
+          f"run makes {(len(query_windows), len(train_windows))}; give the same --size "
+          "and --queries as the run that saved them.")
 
   graphdef, params, rest = model(size)
   loss = make_loss(graphdef, rest)
@@ -247,8 +267,15 @@ def main():
       f"{phase} {seconds:.1f} ({compile_s:.1f})"
       for phase, (seconds, compile_s) in times.items()))
 
+  if args.save_scores:
+    np.save(args.save_scores, np.asarray(scores))
+  if args.compare_scores:
+    rho = [_spearman(a, b) for a, b in zip(np.asarray(scores), other)]
+    print(f"against {args.compare_scores}, {len(rho)} queries: Spearman per query mean "
+          f"{np.mean(rho):.3f}, min {min(rho):.3f}")
+
   helpful, _ = gl.Influence.top_k(scores, 3)
-  for q in range(3):
+  for q in range(min(3, len(query_windows))):
     name, line = query_where[q]
     print(f"query {q} ({name}:{line}): {first_line(query_windows[q])!r}")
     for i in helpful[q]:

@@ -1,9 +1,11 @@
 """Every example runs to the end, where it checks itself against a plain-JAX reference."""
 
 import pathlib
+import re
 import runpy
 import sys
 
+import numpy as np
 import pytest
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("[0-9]*.py"))
@@ -37,16 +39,23 @@ def test_example_runs_and_checks_itself(path, capsys, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_stdlib_attribution_keeps_its_trained_parameters(capsys, monkeypatch, tmp_path):
+def test_stdlib_attribution_keeps_its_parameters_and_compares_scores(capsys, monkeypatch,
+                                                                     tmp_path):
   path = next(p for p in EXAMPLES if p.stem == "13_stdlib_attribution")
-  saved = tmp_path / "params.npz"
+  saved, scores = tmp_path / "params.npz", tmp_path / "scores.npy"
   run = lambda *flags: (monkeypatch.setattr(sys, "argv", [str(path), *flags]),
                         runpy.run_path(str(path), run_name="__main__"))
-  run("--quick", "--params", str(saved), "--train-only")
-  assert "trained 60 steps" in capsys.readouterr().out and saved.exists()
-  run("--quick", "--params", str(saved), "--train-only")
+  run("--quick", "--params", str(saved), "--queries", "4", "--save-scores", str(scores))
   out = capsys.readouterr().out
-  assert "loaded the trained parameters" in out and "trained" not in out.replace(
-      "the trained parameters", "")
+  assert "trained 60 steps" in out and "check:" in out and np.load(scores).shape[0] == 4
+  # The same parameters loaded, not trained: the same scores.
+  run("--quick", "--params", str(saved), "--queries", "4", "--compare-scores", str(scores))
+  out = capsys.readouterr().out
+  assert "loaded the trained parameters" in out and "trained 60 steps" not in out
+  rho = re.search(r"Spearman per query mean ([\d.]+), min ([\d.]+)", out).groups()
+  assert [float(r) for r in rho] == [1.0, 1.0]
+  with pytest.raises(ValueError, match="--compare-scores: .* same --size and --queries"):
+    run("--quick", "--params", str(saved), "--queries", "3", "--compare-scores",
+        str(scores))
   with pytest.raises(ValueError, match="--params: .* other shapes"):
     run("--size", "small", "--params", str(saved), "--train-only")
