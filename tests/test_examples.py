@@ -54,8 +54,12 @@ def test_stdlib_attribution_keeps_its_parameters_and_compares_scores(capsys, mon
   assert "loaded the trained parameters" in out and "trained 60 steps" not in out
   rho = re.search(r"Spearman per query mean ([\d.]+), min ([\d.]+)", out).groups()
   assert [float(r) for r in rho] == [1.0, 1.0]
-  with pytest.raises(ValueError, match="--compare-scores: .* same --size and --queries"):
-    run("--quick", "--params", str(saved), "--queries", "3", "--compare-scores",
+  # Fewer queries against the saved rows; more raise before any work.
+  run("--quick", "--params", str(saved), "--queries", "2", "--compare-scores", str(scores),
+      "--no-checks")
+  assert "2 queries: Spearman per query mean 1.000" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="--compare-scores: .* at most its --queries"):
+    run("--quick", "--params", str(saved), "--queries", "5", "--compare-scores",
         str(scores))
   with pytest.raises(ValueError, match="--params: .* other shapes"):
     run("--size", "small", "--params", str(saved), "--train-only")
