@@ -248,14 +248,16 @@ def main():
   compiling = compile_clock()
   started, compiled = time.perf_counter(), compiling()
   if args.params and os.path.exists(args.params):
-    params = load_params(args.params, params)
+    params, phase = load_params(args.params, params), "load"
     print(f"loaded the trained parameters from {args.params}")
   else:
-    params, last = train(loss, params, train_windows, size["steps"], size["batch"])
+    (params, last), phase = train(loss, params, train_windows, size["steps"],
+                                  size["batch"]), "train"
     print(f"trained {size['steps']} steps: loss {last:.3f} nats a byte")
     if args.params:
-      np.savez(args.params, *(np.asarray(v) for v in jax.tree.leaves(params)))
-  times = {"train": (time.perf_counter() - started, compiling() - compiled)}
+      with open(args.params, "wb") as f:  # The name as given (savez adds no ".npz").
+        np.savez(f, *(np.asarray(v) for v in jax.tree.leaves(params)))
+  times = {phase: (time.perf_counter() - started, compiling() - compiled)}
   if args.train_only:
     return
 
