@@ -15,9 +15,10 @@ product).
 
 This is how the TPU's bfloat16 gap at sequence 1024 was traced to the embedding's
 record (RESULTS.md, issue 50: its Gram form's `(B, T, T)` array, now replaced by
-sorted ids): a diagnosis tool, not one of `run.py`'s workloads (no targets). Use `--depth 2`: the effect is per layer, and compiles take seconds instead
-of a minute. `--method` passes `gl.per_example_norms`' method to every group (`gram`
-or `materialized`: for the embedding, its masked Gram of the cotangents or its
+sorted ids): a diagnosis tool, not one of `run.py`'s workloads (no targets). Use
+`--depth 2`: the effect is per layer, and compiles take seconds instead of a minute.
+`--method` passes `gl.per_example_norms`' method to every group (`gram` or
+`materialized`: for the embedding, its sums over runs of equal sorted ids or its
 scattered per-example rows).
 
 Run: python benchmarks/records_cost.py [--depth 2 --seq 1024 --batch 8
