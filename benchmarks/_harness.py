@@ -145,6 +145,8 @@ class Measurement:
     faults: minor page faults per call, one entry per round.
     memory: compiled-memory statistics in bytes (see `memory_stats`), or empty.
     hlo: HLO instruction statistics (see `hlo_stats`), or empty.
+    hlo_text: the optimized program (`compile().as_text()`), or empty.
+    compile_s: seconds its ahead-of-time lower and compile took, or `None`.
   """
 
   label: str
@@ -152,6 +154,8 @@ class Measurement:
   faults: list[float] = dataclasses.field(default_factory=list)
   memory: dict[str, int] = dataclasses.field(default_factory=dict)
   hlo: dict[str, int] = dataclasses.field(default_factory=dict)
+  hlo_text: str = dataclasses.field(default="", repr=False)
+  compile_s: float | None = None
 
   @property
   def median_s(self) -> float:
@@ -338,15 +342,19 @@ def hlo_stats(hlo_text: str) -> dict[str, int]:
   return stats
 
 
-def analyse(variant: Variant) -> tuple[dict[str, int], dict[str, int]]:
-  """Compiles `variant` ahead of time; returns its memory and HLO statistics."""
+def analyse(variant: Variant) -> tuple[dict[str, int], dict[str, int], str, float]:
+  """Compiles `variant` ahead of time; returns its memory and HLO statistics, its
+  optimized HLO text and the seconds the lower and compile took."""
+  start = time.perf_counter()
   compiled = variant.fn.lower(*variant.args).compile()
-  stats = hlo_stats(compiled.as_text())
+  seconds = time.perf_counter() - start
+  text = compiled.as_text()
+  stats = hlo_stats(text)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   if cost and cost.get("flops", -1) >= 0:
     stats["flops"] = int(cost["flops"])  # XLA's count for the whole program.
-  return memory_stats(compiled), stats
+  return memory_stats(compiled), stats, text, seconds
 
 
 def _minor_faults() -> int:

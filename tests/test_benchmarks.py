@@ -124,3 +124,18 @@ def test_records_cost_norms_one_group_of_records(benchmarks):
   hlo = ("  %fusion.1 = f32[4,2,8,8]{3,2,1,0} fusion(%a), kind=kOutput\n"
          "  %fusion.2 = (f32[4,2,8], f32[4,2,8,8]{3,2,1,0}) fusion(%b)\n")
   assert records_cost.score_fusions(hlo, d) == 1
+
+
+def test_tpu_compile_reads_the_program_a_tpu_v5e_would_run(benchmarks):
+  # Without libtpu (CI, the test environments) there is nothing to compile for.
+  pytest.importorskip("libtpu", reason="tpu_compile.py needs libtpu in an environment "
+                      "of its own (its docstring)")
+  tpu_compile = benchmarks("tpu_compile")
+  # Setup: workload 12's first quick regime, plain grad and the clipped gradient.
+  rows = tpu_compile.main(["--workload", "12", "--quick", "--seq", "16",
+                           "--variants", "plain,clipped", "--clip-methods", "gram"])
+  # Expected: compiled for a v5e (at these sizes the temporaries fit in the chip's
+  # on-core memory: 0 bytes), and the norms' Gram products beside the plain step's.
+  assert [row["variant"] for row in rows] == ["plain", "clipped", "clipped_gram"]
+  assert {row["device"] for row in rows} == {"TPU v5 lite"}
+  assert all(row["products"] > rows[0]["products"] for row in rows[1:])

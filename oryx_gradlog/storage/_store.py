@@ -115,7 +115,7 @@ MARKS = "_commit/steps"  # One committed-step mark per process, in many-process 
 _MANY_PROCESS_CAPACITY = 2**40  # Steps; chunks not written take no space.
 _STOP, _FLUSH = object(), object()
 _TEXT_LENGTH = 80  # Characters of a text kept by `RunLog.describe_examples`.
-IMAGES_NAME = "examples_images.npy"  # `describe_examples(images=...)`, beside the store.
+_IMAGES_NAME = "examples_images.npy"  # `describe_examples(images=...)`, beside the store.
 _IMAGE_SIDE = 64  # The largest side of an image kept as an example's thumbnail.
 
 
@@ -605,7 +605,7 @@ class RunLog:
           elif isinstance(item, _Describe):
             if self._process == 0:
               self._root.attrs["examples"] = item.columns
-              path = os.path.join(self.run_dir, IMAGES_NAME)
+              path = os.path.join(self.run_dir, _IMAGES_NAME)
               if item.images is not None:
                 np.save(path, item.images)
               elif os.path.exists(path):
@@ -892,7 +892,7 @@ def open_run(run_dir: str | os.PathLike):
     dataset = dataset.assign_coords(step=dataset["step"].values)
   keys = {name: dataset[name].attrs.pop("key") for name in dataset.data_vars
           if "key" in dataset[name].attrs}
-  images = os.path.join(os.path.dirname(path), IMAGES_NAME)
+  images = os.path.join(os.path.dirname(path), _IMAGES_NAME)
   if os.path.exists(images):
     dataset.attrs["examples_images"] = images
   return dataset.rename_vars(keys)
