@@ -72,6 +72,10 @@ MEMORY_TARGET = h.Target(1.30)
 # On a TPU: gl.clipped_grad within the faster of 1.20 x plain and the vmap clip.
 TPU_CLIPPED_BOUND = 1.20
 COMPILE_TARGET = h.Target(1.5)
+# On a TPU also the clip with the Gram form everywhere: at seq 128 "auto" forms the
+# attention projections' per-example gradients and holds 4.18x plain's temporaries,
+# the Gram form 2.83x (tpu_compile.py, RESULTS.md); which is faster there is unmeasured.
+TPU_CLIP_METHODS = ("gram",)
 CLIP = 1.0
 
 _EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "11_any_model_dp.py"
@@ -149,8 +153,9 @@ def vmap_clipped(loss, batch: int):
   return clipped
 
 
-def steps(loss, batch: int) -> dict:
-  """The variants, as functions of `(params, inputs, targets)`."""
+def steps(loss, batch: int, clip_methods: tuple[str, ...] = ()) -> dict:
+  """The variants, as functions of `(params, inputs, targets)`; `clip_methods` adds
+  `gl.clipped_grad` with that method for every layer, as `clipped_METHOD`."""
   def plain(*args):
     return jax.grad(loss)(*args)
 
@@ -163,6 +168,8 @@ def steps(loss, batch: int) -> dict:
 
   out = {"plain": plain, "record_layers": record_layers, "norms": norms,
          "clipped": gl.clipped_grad(loss, l2_norm_clip=CLIP)}
+  for method in clip_methods:
+    out[f"clipped_{method}"] = gl.clipped_grad(loss, l2_norm_clip=CLIP, method=method)
   if jax_privacy is not None:
     out["jax_privacy"] = jax_privacy.clipped_grad(
         loss, l2_clip_norm=CLIP, batch_argnums=(1, 2), normalize_by=batch)
@@ -176,15 +183,17 @@ LABELS = {
     "record_layers_in": "record_layers(in_cotangents=True), reaped and dropped",
     "norms": "grad + per-example norms (record_layers)",
     "clipped": "gl.clipped_grad",
+    "clipped_gram": "gl.clipped_grad(method='gram')",
+    "clipped_materialized": "gl.clipped_grad(method='materialized')",
     "jax_privacy": "jax-privacy clipped_grad",
     "vmap": "vmap(grad) + clip",
 }
 
 
-def variants(d: Decoder) -> dict[str, h.Variant]:
+def variants(d: Decoder, clip_methods: tuple[str, ...] = ()) -> dict[str, h.Variant]:
   loss, args = model(d)
   return {key: h.Variant(f"{d.tag}: {LABELS[key]}", jax.jit(fn), args)
-          for key, fn in steps(loss, d.batch).items()}
+          for key, fn in steps(loss, d.batch, clip_methods).items()}
 
 
 def check(vs: dict[str, h.Variant], d: Decoder, exact: bool = True) -> None:
@@ -196,8 +205,8 @@ def check(vs: dict[str, h.Variant], d: Decoder, exact: bool = True) -> None:
                           exact=exact)
   grads, norms = vs["norms"]()
   _mlp.assert_trees_close(grads, plain, "norms: gradient", exact=exact)
-  for key in ("clipped", "jax_privacy"):
-    if key in vs:
+  for key in vs:
+    if key.startswith("clipped") or key == "jax_privacy":
       _mlp.assert_trees_close(vs[key](), expected, f"{key}: clipped gradient", rtol=1e-3,
                               exact=exact)
   loss, args = model(d)
@@ -270,7 +279,7 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
   measurements, comparisons = {}, []
   for index, d in enumerate(regimes):
     print(f"[{NUMBER}] {d} ...", file=sys.stderr, flush=True)
-    vs = variants(d)
+    vs = variants(d, TPU_CLIP_METHODS if settings.device == "tpu" else ())
     check(vs, d, exact=settings.device == "cpu")
     m = h.measure(vs, settings)
     measurements.update({f"{index}_{key}": value for key, value in m.items()})
@@ -294,6 +303,8 @@ def run(settings: h.Settings, sizes: _mlp.Sizes | None = None) -> h.WorkloadResu
     if "jax_privacy" in vs:
       comparisons.append(h.compare(NUMBER, m, "jax_privacy", "clipped", None, settings))
     comparisons.append(h.compare(NUMBER, m, "vmap", "clipped", None, settings))
+    if "clipped_gram" in vs:
+      comparisons.append(h.compare(NUMBER, m, "clipped_gram", "clipped", None, settings))
   notes = []
   if settings.device != "cpu":  # Its target is a CPU's; a TPU compiles 24 blocks slowly.
     notes.append("Trace+compile on 24 blocks: measured on a CPU only.")
