@@ -37,9 +37,20 @@ ten minutes: `--train-only` in one, the rest in the next).
 `--save-scores` and `--compare-scores` compare two runs' scores, query by query (the
 TPU's default precision against `JAX_DEFAULT_MATMUL_PRECISION=highest`).
 
+`--log-run DIR` is LoGra during training itself: every step also logs its batch's
+projected per-example gradients (`gl.projected_grads`, `k x k` per layer), ids,
+per-sequence losses and learning rate into a `gl.RunLog`, with every sequence
+described by its file, line and text; `--log-self` also each sequence's gradient
+against its own Adam step direction (`gl.per_example_self_products` with
+`gl.adam_preconditioner`; it forms every layer's per-example gradients). After
+training: the sequences of the highest self-influence (under Adam with
+`--log-self`), the log's size against the whole per-example gradients, `gl.report`'s
+attribution page (loss spikes and self-influence, as text), and the check of the last
+step's logged ids, losses (and self-products) against `vmap`'s of its rows.
+
 Run: python examples/13_stdlib_attribution.py [--quick | --size small|medium|gpt2]
      [--query-rank R] [--params FILE [--train-only]] [--queries N]
-     [--save-scores FILE] [--compare-scores FILE] [--no-checks]
+     [--save-scores FILE] [--compare-scores FILE] [--no-checks] [--log-run DIR [--log-self]]
 """
 
 import argparse
@@ -57,16 +68,18 @@ from flax import nnx
 
 import oryx_gradlog as gl
 
-SIZES = {  # depth, width, heads, sequence, training sequences, steps, batch, query rank
+SIZES = {  # depth, width, heads, sequence, training sequences, steps, batch, query rank,
+    # and k, the logged projected gradients' size per side of each layer (--log-run)
     "quick": dict(depth=2, width=64, heads=2, seq=64, n_train=192, steps=60, batch=16,
-                  rank=8),
+                  rank=8, k=8),
     "small": dict(depth=2, width=128, heads=4, seq=64, n_train=512, steps=200, batch=32,
-                  rank=16),
+                  rank=16, k=16),
     "medium": dict(depth=4, width=256, heads=4, seq=128, n_train=2048, steps=300,
-                   batch=32, rank=32),
+                   batch=32, rank=32, k=32),
     "gpt2": dict(depth=12, width=768, heads=12, seq=512, n_train=4600, steps=2000,
-                 batch=8, rank=32),
+                 batch=8, rank=32, k=64),
 }
+LEARNING_RATE = 3e-3
 QUERY_EVERY = 10  # One sequence in ten is a query: 4,600 / 10 ~ 481 at GPT-2's size.
 SKIPPED = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
 
@@ -134,15 +147,24 @@ def gpt_class():
 
 
 def make_loss(graphdef, rest):
-  def loss(params, inputs, targets):
-    """The mean over the batch of each sequence's mean next-byte loss."""
+  def loss(params, inputs, targets, per_sequence=False):
+    """The mean over the batch of each sequence's mean next-byte loss (or, with
+    `per_sequence`, the `(B,)` losses of the sequences)."""
     logits = nnx.merge(graphdef, params, rest)(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean(-1)
+    return losses if per_sequence else losses.mean()
   return loss
 
 
-def train(loss, params, windows, steps: int, batch: int, seed: int = 0):
-  optimizer = optax.adam(3e-3)
+def train(loss, params, windows, steps: int, batch: int, seed: int = 0, log=None,
+          projector=None, log_self: bool = False):
+  """Adam on random batches. With a `gl.RunLog` `log` (and a `projector`), every step
+  also logs LoGra's projected per-example gradients of its batch, the batch's ids,
+  per-sequence losses and learning rate; `log_self`, each sequence's gradient
+  against its own Adam step direction (`"self"`, for `gl.tracin_self_influence`).
+  Returns the parameters, the last loss, and the last logged step's `(params
+  before, state after, ids)` (for the checks)."""
+  optimizer = optax.adam(LEARNING_RATE)
 
   @jax.jit
   def step(params, state, rows):
@@ -150,12 +172,34 @@ def train(loss, params, windows, steps: int, batch: int, seed: int = 0):
     updates, state = optimizer.update(grads, state)
     return optax.apply_updates(params, updates), state, value
 
+  def sequence_losses(params, inputs, targets):
+    per_sequence = loss(params, inputs, targets, per_sequence=True)
+    return per_sequence.mean(), per_sequence
+
+  @jax.jit
+  def logged_step(params, state, rows):
+    ((value, losses), grads), records = gl.call_and_reap(jax.value_and_grad(
+        gl.record_layers(sequence_losses), has_aux=True))(params, rows[:, :-1], rows[:, 1:])
+    updates, state = optimizer.update(grads, state)
+    logged = {"train": gl.projected_grads(records, projector), "loss": value,
+              "losses": losses}
+    if log_self:  # Forms each layer's per-example gradients: a costly extra.
+      logged["self"] = gl.per_example_self_products(records, gl.adam_preconditioner(state))
+    return optax.apply_updates(params, updates), state, value, logged
+
   rng = np.random.default_rng(seed)
-  state, value = optimizer.init(params), None
-  for _ in range(steps):
-    rows = jnp.asarray(windows[rng.choice(len(windows), batch, replace=False)])
-    params, state, value = step(params, state, rows)
-  return params, float(value)
+  state, value, last = optimizer.init(params), None, None
+  for t in range(steps):
+    chosen = rng.choice(len(windows), batch, replace=False)
+    rows = jnp.asarray(windows[chosen])
+    if log is None:
+      params, state, value = step(params, state, rows)
+      continue
+    before = params
+    params, state, value, logged = logged_step(params, state, rows)
+    log.append(t, {**logged, "ids": chosen, "lr": np.float32(LEARNING_RATE)})
+    last = (before, state, chosen)
+  return params, float(value), last
 
 
 def compile_clock():
@@ -200,6 +244,51 @@ def first_line(window) -> str:
   return text.strip().splitlines()[0][:60] if text.strip() else ""
 
 
+def print_times(times: dict) -> None:
+  print("times (s, of them compiling): " + ", ".join(
+      f"{phase} {seconds:.1f} ({compile_s:.1f})"
+      for phase, (seconds, compile_s) in times.items()))
+
+
+def logged_run(run_dir, loss, train_where, train_windows, last_logged) -> None:
+  """Self-influence from the training run's log, its size, its report; and the checks
+  of its last step against plain JAX."""
+  run = gl.open_run(run_dir)
+  adam = "self" in run
+  own = gl.tracin_self_influence(run, self_products="self" if adam else None,
+                                 num_examples=len(train_windows))
+  print(f"self-influence {'under Adam' if adam else 'as for SGD (no --log-self)'}, from "
+        f"the {run.sizes['step']} logged steps (the sequences training pushed against "
+        "most):")
+  for i in np.argsort(-own)[:3]:
+    name, line = train_where[i]
+    print(f"  {own[i]:.3g}  {name}:{line}  {first_line(train_windows[i])!r}")
+  before, state, chosen = last_logged
+  projected = sum(run[v].values[0].size for v in run.data_vars
+                  if str(v).startswith("train.grads."))
+  whole = sum(np.size(v) for v in jax.tree.leaves(before))
+  print(f"logged per step: {projected:,} projected numbers for {len(chosen)} sequences, "
+        f"{projected / (len(chosen) * whole):.3%} of their whole per-example gradients "
+        f"({whole:,} parameters each)")
+  print(f"report: {gl.report(run_dir)}")
+  # The checks: the last step's logged ids and per-sequence losses are those of its
+  # rows at that step's parameters; its self-products are <g_i, P g_i> of vmap(grad)'s
+  # per-sequence gradients there, P Adam's after its update.
+  rows = jnp.asarray(train_windows[chosen])
+  one = lambda p, r: loss(p, r[None, :-1], r[None, 1:])
+  np.testing.assert_array_equal(run["ids"].values[-1], chosen)
+  np.testing.assert_allclose(run["losses"].values[-1],
+                             jax.vmap(one, in_axes=(None, 0))(before, rows), rtol=1e-4)
+  if adam:
+    grads = jax.vmap(jax.grad(one), in_axes=(None, 0))(before, rows)
+    weights = gl.adam_preconditioner(state)
+    expected = sum(jnp.sum((g ** 2 * w).reshape(len(chosen), -1), axis=1)
+                   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(weights)))
+    np.testing.assert_allclose(run["self"].values[-1], expected, rtol=2e-3)
+  print("check: the last logged step's ids and losses" + (
+      " and self-products" if adam else "") + " are vmap's of its rows")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -222,6 +311,14 @@ def main():
   parser.add_argument("--no-checks", action="store_true",
                       help="skip the checks at the end (low rank against whole query "
                       "gradients; identity scores against vmap(grad))")
+  parser.add_argument("--log-run", default=None, metavar="DIR",
+                      help="log LoGra's projected per-example gradients (the size's k "
+                      "per side) at every training step into a gl.RunLog in DIR; then "
+                      "self-influence as text and gl.report's attribution page")
+  parser.add_argument("--log-self", action="store_true",
+                      help="with --log-run, also each sequence's gradient against its own "
+                      "Adam step (self-influence under Adam; forms every layer's "
+                      "per-example gradients, about 1.5x a step on a CPU)")
   parser.add_argument("--run-dir", default=None, help="unused (the tests pass it)")
   args = parser.parse_args()
   size = SIZES["quick" if args.quick else args.size]
@@ -244,6 +341,17 @@ def main():
 
   graphdef, params, rest = model(size)
   loss = make_loss(graphdef, rest)
+  if args.log_run and args.params and os.path.exists(args.params):
+    raise ValueError(f"--log-run logs the training run, but --params {args.params} "
+                     "exists, so nothing would be trained: give a --params file that "
+                     "does not exist yet, or leave --params out.")
+  log = projector = None
+  if args.log_run:  # Random projections: the first batch's shapes are all they read.
+    projector = gl.fit_projector(loss, params, batches(train_windows[:size["batch"]],
+                                                       size["batch"]), k=size["k"])
+    log = gl.RunLog(args.log_run)
+    log.describe_examples(text=[f"{name}:{line} {first_line(w)}" for (name, line), w
+                                in zip(train_where, train_windows)])
 
   compiling = compile_clock()
   started, compiled = time.perf_counter(), compiling()
@@ -251,14 +359,19 @@ def main():
     params, phase = load_params(args.params, params), "load"
     print(f"loaded the trained parameters from {args.params}")
   else:
-    (params, last), phase = train(loss, params, train_windows, size["steps"],
-                                  size["batch"]), "train"
+    (params, last, last_logged), phase = train(
+        loss, params, train_windows, size["steps"], size["batch"], log=log,
+        projector=projector, log_self=args.log_self), "train" + (" (logged)" if log else "")
     print(f"trained {size['steps']} steps: loss {last:.3f} nats a byte")
     if args.params:
       with open(args.params, "wb") as f:  # The name as given (savez adds no ".npz").
         np.savez(f, *(np.asarray(v) for v in jax.tree.leaves(params)))
   times = {phase: (time.perf_counter() - started, compiling() - compiled)}
+  if log is not None:
+    log.close()
+    logged_run(args.log_run, loss, train_where, train_windows, last_logged)
   if args.train_only:
+    print_times(times)
     return
 
   started, compiled = time.perf_counter(), compiling()
@@ -270,9 +383,7 @@ def main():
                             batches(train_windows, size["batch"]), query_rank=rank,
                             progress=False)
   times[f"scores (rank {rank})"] = (time.perf_counter() - started, compiling() - compiled)
-  print("times (s, of them compiling): " + ", ".join(
-      f"{phase} {seconds:.1f} ({compile_s:.1f})"
-      for phase, (seconds, compile_s) in times.items()))
+  print_times(times)
 
   if args.save_scores:
     np.save(args.save_scores, np.asarray(scores))

@@ -64,3 +64,24 @@ def test_stdlib_attribution_keeps_its_parameters_and_compares_scores(capsys, mon
         str(scores))
   with pytest.raises(ValueError, match="--params: .* other shapes"):
     run("--size", "small", "--params", str(saved), "--train-only")
+
+
+@pytest.mark.slow
+def test_stdlib_attribution_logs_its_training_run(capsys, monkeypatch, tmp_path):
+  path = next(p for p in EXAMPLES if p.stem == "13_stdlib_attribution")
+  run = lambda *flags: (monkeypatch.setattr(sys, "argv", [str(path), *flags]),
+                        runpy.run_path(str(path), run_name="__main__"))
+  run("--quick", "--log-run", str(tmp_path / "run"), "--log-self", "--train-only")
+  out = capsys.readouterr().out
+  # The example's own check: the last step's logged ids, losses and Adam self-products
+  # against vmap's of its rows.
+  assert "ids and losses and self-products are vmap's of its rows" in out
+  # The sequence of the highest self-influence is on the report's page, as its text.
+  top = re.search(r"self-influence under Adam.*\n +\S+ +(\S+:\d+) ", out).group(1)
+  assert top in (tmp_path / "run" / "report" / "attribution.html").read_text()
+  # A run that loads its parameters trains nothing to log: an error before any work.
+  saved = tmp_path / "params.npz"
+  saved.write_bytes(b"")
+  with pytest.raises(ValueError, match="--log-run logs the training run"):
+    run("--quick", "--params", str(saved), "--log-run", str(tmp_path / "other"))
+  assert not (tmp_path / "other").exists()
