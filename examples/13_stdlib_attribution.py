@@ -46,7 +46,10 @@ against its own Adam step direction (`gl.per_example_self_products` with
 training: the sequences of the highest self-influence (under Adam with
 `--log-self`), the log's size against the whole per-example gradients, `gl.report`'s
 attribution page (loss spikes and self-influence, as text), and the check of the last
-step's logged ids, losses (and self-products) against `vmap`'s of its rows.
+step's logged ids, losses (and self-products) against `vmap`'s of its rows. With the
+scores, a pass at the final parameters logs every training sequence's projected
+gradients beside a batch of queries' (`DIR/final_pass`): `gl.influence_from_run`'s
+LoGra scores, compared with EK-FAC's (Spearman per query).
 
 Run: python examples/13_stdlib_attribution.py [--quick | --size small|medium|gpt2]
      [--query-rank R] [--params FILE [--train-only]] [--queries N]
@@ -250,6 +253,26 @@ def print_times(times: dict) -> None:
       for phase, (seconds, compile_s) in times.items()))
 
 
+def logged_pass(run_dir, loss, params, projector, train_windows, query_windows,
+                batch: int) -> np.ndarray:
+  """LoGra's influence scores `(queries, training sequences)`: one pass over the
+  training sequences at `params`, their projected gradients logged with learning rate
+  0 beside the queries', then `gl.influence_from_run`."""
+  def projected(params, rows):
+    records = gl.reap(jax.grad(gl.record_layers(loss)))(params, rows[:, :-1], rows[:, 1:])
+    return gl.projected_grads(records, projector)
+
+  projected = jax.jit(projected)
+  queries = projected(params, jnp.asarray(query_windows))
+  with gl.RunLog(run_dir) as log:
+    for step, start in enumerate(range(0, len(train_windows), batch)):
+      rows = train_windows[start:start + batch]
+      log.append(step, {"train": projected(params, jnp.asarray(rows)), "query": queries,
+                        "ids": np.arange(start, start + len(rows)),
+                        "lr": np.float32(0.0)})
+  return gl.influence_from_run(run_dir, num_examples=len(train_windows))
+
+
 def logged_run(run_dir, loss, train_where, train_windows, last_logged) -> None:
   """Self-influence from the training run's log, its size, its report; and the checks
   of its last step against plain JAX."""
@@ -391,6 +414,16 @@ def main():
     rho = [_spearman(a, b) for a, b in zip(np.asarray(scores), other)]
     print(f"against {args.compare_scores}, {len(rho)} queries: Spearman per query mean "
           f"{np.mean(rho):.3f}, min {min(rho):.3f}")
+
+  if args.log_run:  # LoGra's influence, from a logged pass at the final parameters.
+    few = min(size["batch"], len(query_windows))
+    started, compiled = time.perf_counter(), compiling()
+    logra = logged_pass(os.path.join(args.log_run, "final_pass"), loss, params, projector,
+                        train_windows, query_windows[:few], size["batch"])
+    print_times({"LoGra pass": (time.perf_counter() - started, compiling() - compiled)})
+    rho = [_spearman(a, b) for a, b in zip(logra, np.asarray(scores))]
+    print(f"LoGra (k = {size['k']}) against EK-FAC, {few} queries: Spearman per query "
+          f"mean {np.mean(rho):.3f}, min {min(rho):.3f}")
 
   helpful, _ = gl.Influence.top_k(scores, 3)
   for q in range(min(3, len(query_windows))):

@@ -79,6 +79,12 @@ def test_stdlib_attribution_logs_its_training_run(capsys, monkeypatch, tmp_path)
   # The sequence of the highest self-influence is on the report's page, as its text.
   top = re.search(r"self-influence under Adam.*\n +\S+ +(\S+:\d+) ", out).group(1)
   assert top in (tmp_path / "run" / "report" / "attribution.html").read_text()
+  # With the scores: LoGra's influence from a logged pass at the final parameters ranks
+  # the training sequences as EK-FAC does, roughly (k = 8 per side; random: about 0).
+  run("--quick", "--log-run", str(tmp_path / "scored"), "--queries", "8", "--no-checks")
+  rho = re.search(r"LoGra \(k = 8\) against EK-FAC, 8 queries: Spearman per query mean "
+                  r"([\d.-]+)", capsys.readouterr().out).group(1)
+  assert float(rho) > 0.5
   # A run that loads its parameters trains nothing to log: an error before any work.
   saved = tmp_path / "params.npz"
   saved.write_bytes(b"")
