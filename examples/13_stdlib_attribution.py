@@ -364,6 +364,8 @@ def main():
 
   graphdef, params, rest = model(size)
   loss = make_loss(graphdef, rest)
+  if args.log_self and not args.log_run:
+    raise ValueError("--log-self adds to the training run's log: give --log-run DIR too.")
   if args.log_run and args.params and os.path.exists(args.params):
     raise ValueError(f"--log-run logs the training run, but --params {args.params} "
                      "exists, so nothing would be trained: give a --params file that "

@@ -91,3 +91,5 @@ def test_stdlib_attribution_logs_its_training_run(capsys, monkeypatch, tmp_path)
   with pytest.raises(ValueError, match="--log-run logs the training run"):
     run("--quick", "--params", str(saved), "--log-run", str(tmp_path / "other"))
   assert not (tmp_path / "other").exists()
+  with pytest.raises(ValueError, match="--log-self adds to the training run's log"):
+    run("--quick", "--log-self")
