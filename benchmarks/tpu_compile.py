@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import time
 
 import jax
 from jax.experimental import topologies
@@ -105,21 +104,15 @@ def main(argv=None) -> list[dict]:
       keys += [k for k in steps if k.startswith("clipped_")]
     plain_temp = None
     for key in keys:
-      start = time.perf_counter()
-      compiled = jax.jit(steps[key]).lower(*shapes).compile()
-      seconds = time.perf_counter() - start
-      memory, text = h.memory_stats(compiled), compiled.as_text()
-      stats = h.hlo_stats(text)
-      cost = compiled.cost_analysis()
-      cost = cost[0] if isinstance(cost, (list, tuple)) and cost else (cost or {})
+      memory, stats, text, seconds = h.analyse(h.Variant(key, jax.jit(steps[key]), shapes))
       plain_temp = memory["temp"] if key == "plain" else plain_temp
       ratio = memory["temp"] / plain_temp if plain_temp else None
       rows.append(dict(regime=d.tag, variant=key, temp=memory["temp"], ratio=ratio,
                        fusions=stats["fusions"], products=stats["all_dots"],
-                       flops=cost.get("flops", 0), device=device.device_kind))
+                       flops=stats.get("flops", 0), device=device.device_kind))
       print(f"| {d.tag} | {key} | {memory['temp'] / 2**20:.2f} | "
             f"{'-' if ratio is None else f'{ratio:.3f}'} | "
-            f"{stats['fusions']} | {stats['all_dots']} | {cost.get('flops', 0) / 1e9:.1f} | "
+            f"{stats['fusions']} | {stats['all_dots']} | {stats.get('flops', 0) / 1e9:.1f} | "
             f"{seconds:.0f} |", flush=True)
       if args.hlo:
         folder = pathlib.Path(args.hlo)
