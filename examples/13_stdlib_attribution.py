@@ -49,11 +49,16 @@ attribution page (loss spikes and self-influence, as text), and the check of the
 step's logged ids, losses (and self-products) against `vmap`'s of its rows. With the
 scores, a pass at the final parameters logs every training sequence's projected
 gradients beside a batch of queries' (`DIR/final_pass`): `gl.influence_from_run`'s
-LoGra scores, compared with EK-FAC's (Spearman per query).
+LoGra scores, compared with EK-FAC's (Spearman per query). `--tracin N` also logs,
+at every step, the first N queries' projected gradients (a second backward pass, of
+N sequences) and, with `--log-self`, the products of their Adam step directions with
+the batch's gradients: their TracIn scores over the run (`gl.tracin`), compared with
+EK-FAC's at the end; the products of the last step are checked against `vmap`'s.
 
 Run: python examples/13_stdlib_attribution.py [--quick | --size small|medium|gpt2]
      [--query-rank R] [--params FILE [--train-only]] [--queries N]
-     [--save-scores FILE] [--compare-scores FILE] [--no-checks] [--log-run DIR [--log-self]]
+     [--save-scores FILE] [--compare-scores FILE] [--no-checks]
+     [--log-run DIR [--log-self] [--tracin N]]
 """
 
 import argparse
@@ -160,13 +165,16 @@ def make_loss(graphdef, rest):
 
 
 def train(loss, params, windows, steps: int, batch: int, seed: int = 0, log=None,
-          projector=None, log_self: bool = False):
+          projector=None, log_self: bool = False, queries=None):
   """Adam on random batches. With a `gl.RunLog` `log` (and a `projector`), every step
   also logs LoGra's projected per-example gradients of its batch, the batch's ids,
   per-sequence losses and learning rate; `log_self`, each sequence's gradient
-  against its own Adam step direction (`"self"`, for `gl.tracin_self_influence`).
-  Returns the parameters, the last loss, and the last logged step's `(params
-  before, state after, ids)` (for the checks)."""
+  against its own Adam step direction (`"self"`, for `gl.tracin_self_influence`);
+  `queries` (rows of sequences), their projected gradients at the step's parameters
+  (`"query"`, for `gl.tracin`) and, with `log_self`, their Adam step directions'
+  products with the batch's gradients (`"products"`). Returns the parameters, the
+  last loss, and the last logged step's `(params before, state after, ids)` (for
+  the checks)."""
   optimizer = optax.adam(LEARNING_RATE)
 
   @jax.jit
@@ -188,6 +196,14 @@ def train(loss, params, windows, steps: int, batch: int, seed: int = 0, log=None
               "losses": losses}
     if log_self:  # Forms each layer's per-example gradients: a costly extra.
       logged["self"] = gl.per_example_self_products(records, gl.adam_preconditioner(state))
+    if queries is not None:  # A second backward pass, of the queries.
+      logged["query"] = gl.projected_grads(gl.reap(jax.grad(gl.record_layers(loss)))(
+          params, queries[:, :-1], queries[:, 1:]), projector)
+    if queries is not None and log_self:  # Each query's whole gradient, Adam's step.
+      directions = jax.tree.map(jnp.multiply, gl.adam_preconditioner(state),
+                                per_sequence_grads(loss, params, queries))
+      logged["products"] = jax.vmap(gl.per_example_products, in_axes=(None, 0))(
+          records, directions)
     return optax.apply_updates(params, updates), state, value, logged
 
   rng = np.random.default_rng(seed)
@@ -203,6 +219,12 @@ def train(loss, params, windows, steps: int, batch: int, seed: int = 0, log=None
     log.append(t, {**logged, "ids": chosen, "lr": np.float32(LEARNING_RATE)})
     last = (before, state, chosen)
   return params, float(value), last
+
+
+def per_sequence_grads(loss, params, rows):
+  """`vmap(grad)`: each sequence's own gradient, stacked on a leading axis."""
+  one = lambda p, r: loss(p, r[None, :-1], r[None, 1:])
+  return jax.vmap(jax.grad(one), in_axes=(None, 0))(params, rows)
 
 
 def compile_clock():
@@ -273,8 +295,9 @@ def logged_pass(run_dir, loss, params, projector, train_windows, query_windows,
   return gl.influence_from_run(run_dir, num_examples=len(train_windows))
 
 
-def logged_run(run_dir, loss, train_where, train_windows, last_logged) -> None:
-  """Self-influence from the training run's log, its size, its report; and the checks
+def logged_run(run_dir, loss, train_where, train_windows, last_logged, queries=None):
+  """Self-influence from the training run's log, its size, its report; with
+  `queries` (the logged ones' rows), their TracIn scores, returned; and the checks
   of its last step against plain JAX."""
   run = gl.open_run(run_dir)
   adam = "self" in run
@@ -294,6 +317,16 @@ def logged_run(run_dir, loss, train_where, train_windows, last_logged) -> None:
         f"{projected / (len(chosen) * whole):.3%} of their whole per-example gradients "
         f"({whole:,} parameters each)")
   print(f"report: {gl.report(run_dir)}")
+  tracin = None
+  if queries is not None:
+    tracin = gl.tracin(run, products="products" if adam else None,
+                       num_examples=len(train_windows))
+    print(f"TracIn {'under Adam' if adam else 'as for SGD (no --log-self)'} of "
+          f"{len(queries)} queries over the {run.sizes['step']} logged steps; query 0, "
+          f"{first_line(queries[0])!r}, was helped most by:")
+    for i in np.argsort(-tracin[0])[:3]:
+      name, line = train_where[i]
+      print(f"  {tracin[0, i]:+.3g}  {name}:{line}  {first_line(train_windows[i])!r}")
   # The checks: the last step's logged ids and per-sequence losses are those of its
   # rows at that step's parameters; its self-products are <g_i, P g_i> of vmap(grad)'s
   # per-sequence gradients there, P Adam's after its update.
@@ -303,13 +336,23 @@ def logged_run(run_dir, loss, train_where, train_windows, last_logged) -> None:
   np.testing.assert_allclose(run["losses"].values[-1],
                              jax.vmap(one, in_axes=(None, 0))(before, rows), rtol=1e-4)
   if adam:
-    grads = jax.vmap(jax.grad(one), in_axes=(None, 0))(before, rows)
-    weights = gl.adam_preconditioner(state)
-    expected = sum(jnp.sum((g ** 2 * w).reshape(len(chosen), -1), axis=1)
-                   for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(weights)))
-    np.testing.assert_allclose(run["self"].values[-1], expected, rtol=2e-3)
+    flat = lambda tree, n: jnp.concatenate(
+        [v.reshape(n, -1) for v in jax.tree.leaves(tree)], axis=1)
+    grads = flat(per_sequence_grads(loss, before, rows), len(chosen))
+    weights = flat(jax.tree.map(lambda w: w[None], gl.adam_preconditioner(state)), 1)
+    np.testing.assert_allclose(run["self"].values[-1],
+                               jnp.sum(grads ** 2 * weights, axis=1), rtol=2e-3)
+  if adam and queries is not None:
+    directions = flat(per_sequence_grads(loss, before, jnp.asarray(queries)),
+                      len(queries)) * weights
+    expected = directions @ grads.T
+    np.testing.assert_allclose(run["products"].values[-1], expected, rtol=2e-3,
+                               atol=1e-4 * np.abs(expected).max())
   print("check: the last logged step's ids and losses" + (
-      " and self-products" if adam else "") + " are vmap's of its rows")
+      " and self-products" if adam else "") + (
+          " and the queries' Adam products" if adam and queries is not None else "")
+        + " are vmap's of its rows")
+  return tracin
 
 
 def main():
@@ -342,6 +385,11 @@ def main():
                       help="with --log-run, also each sequence's gradient against its own "
                       "Adam step (self-influence under Adam; forms every layer's "
                       "per-example gradients, about 1.5x a step on a CPU)")
+  parser.add_argument("--tracin", type=int, default=None, metavar="N",
+                      help="with --log-run, also log the first N queries' projected "
+                      "gradients at every step (a second backward pass, of N sequences) "
+                      "and, with --log-self, their Adam products with the batch's; then "
+                      "their TracIn scores")
   parser.add_argument("--run-dir", default=None, help="unused (the tests pass it)")
   args = parser.parse_args()
   size = SIZES["quick" if args.quick else args.size]
@@ -364,13 +412,18 @@ def main():
 
   graphdef, params, rest = model(size)
   loss = make_loss(graphdef, rest)
-  if args.log_self and not args.log_run:
-    raise ValueError("--log-self adds to the training run's log: give --log-run DIR too.")
+  for flag, given in (("--log-self", args.log_self), ("--tracin", args.tracin)):
+    if given and not args.log_run:
+      raise ValueError(f"{flag} adds to the training run's log: give --log-run DIR too.")
+  if args.tracin is not None and not 0 < args.tracin <= len(query_windows):
+    raise ValueError(f"--tracin {args.tracin}: give 1 to {len(query_windows)}, the "
+                     "query sequences there are.")
+  tracin_queries = None if args.tracin is None else query_windows[:args.tracin]
   if args.log_run and args.params and os.path.exists(args.params):
     raise ValueError(f"--log-run logs the training run, but --params {args.params} "
                      "exists, so nothing would be trained: give a --params file that "
                      "does not exist yet, or leave --params out.")
-  log = projector = None
+  log = projector = tracin = None
   if args.log_run:  # Random projections: the first batch's shapes are all they read.
     projector = gl.fit_projector(loss, params, batches(train_windows[:size["batch"]],
                                                        size["batch"]), k=size["k"])
@@ -386,7 +439,9 @@ def main():
   else:
     (params, last, last_logged), phase = train(
         loss, params, train_windows, size["steps"], size["batch"], log=log,
-        projector=projector, log_self=args.log_self), "train" + (" (logged)" if log else "")
+        projector=projector, log_self=args.log_self,
+        queries=None if tracin_queries is None else jnp.asarray(tracin_queries)), (
+            "train" + (" (logged)" if log else ""))
     print(f"trained {size['steps']} steps: loss {last:.3f} nats a byte")
     if args.params:
       with open(args.params, "wb") as f:  # The name as given (savez adds no ".npz").
@@ -394,7 +449,8 @@ def main():
   times = {phase: (time.perf_counter() - started, compiling() - compiled)}
   if log is not None:
     log.close()
-    logged_run(args.log_run, loss, train_where, train_windows, last_logged)
+    tracin = logged_run(args.log_run, loss, train_where, train_windows, last_logged,
+                        tracin_queries)
   if args.train_only:
     print_times(times)
     return
@@ -426,6 +482,10 @@ def main():
     rho = [_spearman(a, b) for a, b in zip(logra, np.asarray(scores))]
     print(f"LoGra (k = {size['k']}) against EK-FAC, {few} queries: Spearman per query "
           f"mean {np.mean(rho):.3f}, min {min(rho):.3f}")
+    if tracin is not None:
+      rho = [_spearman(a, b) for a, b in zip(tracin, np.asarray(scores))]
+      print(f"TracIn from the run against EK-FAC at the end, {len(rho)} queries: "
+            f"Spearman per query mean {np.mean(rho):.3f}, min {min(rho):.3f}")
 
   helpful, _ = gl.Influence.top_k(scores, 3)
   for q in range(min(3, len(query_windows))):
@@ -452,8 +512,7 @@ def main():
   got = identity.scores(batches(few_q, 2), batches(few_t, 4), progress=False)
 
   def per_example(rows):
-    one = lambda p, r: loss(p, r[None, :-1], r[None, 1:])
-    grads = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, jnp.asarray(rows))
+    grads = per_sequence_grads(loss, params, jnp.asarray(rows))
     return jnp.concatenate([g.reshape(len(rows), -1) for g in jax.tree.leaves(grads)], 1)
 
   expected = np.asarray(per_example(few_q) @ per_example(few_t).T)
