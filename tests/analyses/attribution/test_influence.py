@@ -161,6 +161,25 @@ def test_mlp_scores_match_the_dense_formulas(strategy):
   # Queries a block at a time (one batch of 2, then 1): the same scores.
   blocked = influence.scores(_batches(*query, size=2), _batches(*train), query_block=2)
   _assert_scores(blocked, scores, tol=1e-6)
+  # Each query a batch of its own, all held at once (joined): the same scores.
+  joined = influence.scores(_batches(*query, size=1), _batches(*train))
+  _assert_scores(joined, scores, tol=1e-6)
+
+
+def test_the_query_batches_are_joined_freeing_each_batch():
+  from oryx_gradlog.analyses.attribution import _influence
+  # Setup: three batches' parts, a stacked `(S, Q, ...)` block and a `(Q, ...)` one.
+  parts = [{"stacked": jnp.full((2, i + 1, 3, 4), i), "flat": jnp.full((i + 1, 5), i)}
+           for i in range(3)]
+  given = [v for part in parts for v in jax.tree.leaves(part)]
+  # True computation: NumPy's concatenation along the queries' axis.
+  expected = {"stacked": np.concatenate([np.asarray(p["stacked"]) for p in parts], 1),
+              "flat": np.concatenate([np.asarray(p["flat"]) for p in parts], 0)}
+  got = _influence._joined(parts)
+  # Expected: equal, and the device holds the whole once: each batch's array freed.
+  np.testing.assert_array_equal(got["stacked"], expected["stacked"])
+  np.testing.assert_array_equal(got["flat"], expected["flat"])
+  assert parts == [] and all(v.is_deleted() for v in given)
 
 
 @pytest.mark.parametrize("strategy", ["identity", "ekfac"])
