@@ -167,17 +167,16 @@ def make_loss(graphdef, rest):
   return loss
 
 
-def train(loss, params, windows, steps: int, batch: int, seed: int = 0, log=None,
-          projector=None, log_self: bool = False, queries=None):
-  """Adam on random batches. With a `gl.RunLog` `log` (and a `projector`), every step
-  also logs LoGra's projected per-example gradients of its batch, the batch's ids,
-  per-sequence losses and learning rate; `log_self`, each sequence's gradient
-  against its own Adam step direction (`"self"`, for `gl.tracin_self_influence`);
+def training_steps(loss, projector=None, log_self: bool = False, queries=None):
+  """Adam's jitted steps of `(params, state, rows)`: `(optimizer, step, logged_step)`.
+
+  `step` returns `(params, state, loss)`; `logged_step` also a dict to log: LoGra's
+  projected per-example gradients of the batch (`"train"`, with `projector`), its
+  loss and per-sequence losses; with `log_self`, each sequence's gradient against
+  its own Adam step direction (`"self"`, for `gl.tracin_self_influence`); with
   `queries` (rows of sequences), their projected gradients at the step's parameters
   (`"query"`, for `gl.tracin`) and, with `log_self`, their Adam step directions'
-  products with the batch's gradients (`"products"`). Returns the parameters, the
-  last loss, and the last logged step's `(params before, state after, ids)` (for
-  the checks)."""
+  products with the batch's gradients (`"products"`)."""
   optimizer = optax.adam(LEARNING_RATE)
 
   @jax.jit
@@ -209,6 +208,16 @@ def train(loss, params, windows, steps: int, batch: int, seed: int = 0, log=None
           records, directions)
     return optax.apply_updates(params, updates), state, value, logged
 
+  return optimizer, step, logged_step
+
+
+def train(loss, params, windows, steps: int, batch: int, seed: int = 0, log=None,
+          projector=None, log_self: bool = False, queries=None):
+  """Adam on random batches; with a `gl.RunLog` `log`, every step also logs
+  `training_steps`' dict, the batch's ids and the learning rate. Returns the
+  parameters, the last loss, and the last logged step's `(params before, state
+  after, ids)` (for the checks)."""
+  optimizer, step, logged_step = training_steps(loss, projector, log_self, queries)
   rng = np.random.default_rng(seed)
   state, value, last = optimizer.init(params), None, None
   for t in range(steps):

@@ -16,9 +16,12 @@ the projected space.
   from one pass over the batches given; an embedding's `A` is diagonal, so its
   projection keeps the `k` most frequent ids.
 * A side of at most `k` dimensions is kept whole (`None`: no projection, exact),
-  as is a diagonal block of at most `k * k` numbers; a larger diagonal block is
-  projected to `k * k` (random, or its `k * k` coordinates of largest mean square
-  for `"pca"`).
+  as is a diagonal block of at most `k * k` numbers. A larger diagonal block (a
+  position embedding, a norm's scales) is projected to `k * k`: `"random"` lays
+  its `n` numbers out as a near-square `n1 x n2` grid (zero-padded) and keeps
+  `P_1^T V P_2`, two Gaussians of `(n1 + n2) k` numbers rather than one of `n k^2`
+  (GPT-2's position embedding: 80 K numbers, not 1.6 G); `"pca"` keeps its `k * k`
+  coordinates of largest mean square (a mask).
 
 Sharp edges:
   * A convolution's inputs are its unfolded patches (`d_in` = kernel size x input
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -59,8 +63,9 @@ class Projector:
   Attributes:
     blocks: per block name (its weight's parameter path), `(P_in, P_out)`: for a
       Kronecker block `(S, d_in(+1), k)` and `(S, d_out, k)` (one per layer `S` of
-      a scan-stacked use; an embedding's `P_in` is `(S, vocabulary, k)`), for a
-      diagonal block `(size, k * k)` and `None`; `None` where a side is kept whole.
+      a scan-stacked use; an embedding's `P_in` is `(S, vocabulary, k)`); for a
+      diagonal block its grid's `(n1, k)` and `(n2, k)` (`"random"`) or a
+      `(size,)` mask and `None` (`"pca"`); `None` where a side is kept whole.
     k: the projected dimension of each side.
     init: `"random"` or `"pca"`.
 
@@ -117,7 +122,10 @@ def _check_blocks(api: str, projector: Projector, arrays: dict[str, Any],
   for name in sorted(set(layout) & set(projector.blocks)):
     here = _sizes(arrays[name], layout[name])
     p_in, p_out = projector.blocks[name]
-    if layout[name].kind == DIAGONAL:
+    if layout[name].kind == DIAGONAL and p_in is not None and p_out is not None:
+      grid = (p_in.shape[0], p_out.shape[0])
+      fitted = here if grid == _grid(here[0]) else (f"a {grid[0]} x {grid[1]} grid",)
+    elif layout[name].kind == DIAGONAL:
       fitted = here if p_in is None else (p_in.shape[0],)
     else:
       layers = next((p.shape[0] for p in (p_in, p_out) if p is not None), here[0])
@@ -144,7 +152,7 @@ def project(api: str, projector: Projector, arrays: dict[str, Any],
     p_in, p_out = projector.blocks[name]
     kind = layout[name].kind
     if kind == DIAGONAL:
-      out[name] = value if p_in is None else _common.dot("bn,nm->bm", value, p_in)
+      out[name] = _diagonal(value, p_in, p_out, projector.k)
       new_layout[name] = layout[name]
       continue
     x, g = value
@@ -158,6 +166,26 @@ def project(api: str, projector: Projector, arrays: dict[str, Any],
     out[name] = (x, g)
     new_layout[name] = layout[name]._replace(kind=kind)
   return out, new_layout
+
+
+def _grid(n: int) -> tuple[int, int]:
+  """The near-square grid `(n1, n2)`, `n1 = ceil(sqrt(n))`, that a diagonal block of
+  `n` numbers is laid out in (zero-padded) for its random projection."""
+  n1 = math.isqrt(n - 1) + 1
+  return n1, -(-n // n1)
+
+
+def _diagonal(value: jax.Array, p_in, p_out, k: int) -> jax.Array:
+  """A diagonal block's per-example gradients `(B, n)` projected: whole (`p_in`
+  `None`), the coordinates of a mask, or `P_1^T V P_2` of its grid, `(B, k * k)`."""
+  if p_in is None:
+    return value
+  if p_out is None:
+    return value[:, jnp.nonzero(p_in, size=k * k)[0]]
+  (n1, _), n2 = p_in.shape, p_out.shape[0]
+  grid = jnp.pad(value, ((0, 0), (0, n1 * n2 - value.shape[1]))).reshape(-1, n1, n2)
+  left = _common.dot("bij,ik->bkj", grid, p_in.astype(value.dtype))
+  return _common.dot("bkj,jl->bkl", left, p_out.astype(value.dtype)).reshape(-1, k * k)
 
 
 def projected_grads(records: dict, projector: Projector) -> ProjectedGrads:
@@ -288,7 +316,10 @@ def _random(shapes, layout: dict[str, Layout], k: int, seed: int) -> Projector:
     key = jax.random.fold_in(jax.random.PRNGKey(seed), i)
     if layout[name].kind == DIAGONAL:
       size = shapes[name].shape[1]
-      blocks[name] = (_gaussian(key, size, k * k) if size > k * k else None, None)
+      grid = _grid(size)
+      blocks[name] = ((None, None) if size <= k * k else tuple(
+          _gaussian(side_key, side, k)
+          for side_key, side in zip(jax.random.split(key), grid)))
       continue
     x, g = shapes[name]
     stacks, d_out = g.shape[0], g.shape[-1]
@@ -304,9 +335,9 @@ def _pca(sums: dict[str, list], layout: dict[str, Layout], k: int) -> Projector:
   for name, parts in sums.items():
     if layout[name].kind == DIAGONAL:
       square, count = parts
-      top = np.argsort(-square, kind="stable")[:k * k]
-      blocks[name] = (jnp.asarray(_columns(top, square.size)) if square.size > k * k
-                      else None, None)
+      mask = np.zeros(square.size, bool)
+      mask[np.argsort(-square, kind="stable")[:k * k]] = True
+      blocks[name] = (jnp.asarray(mask) if square.size > k * k else None, None)
       continue
     a, s, count = parts
     if layout[name].kind == EMBED:  # Diagonal A: the k most frequent ids.

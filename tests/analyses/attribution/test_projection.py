@@ -27,12 +27,18 @@ def _projected(loss, params, projector, *batch):
 
 
 def _expected(projector, name, grads):
-  """`P_in^T G_i P_out` per example (`G_i` `(n, d_in, d_out)`), or `v_i P`."""
+  """`P_in^T G_i P_out` per example (`G_i` `(n, d_in, d_out)`); a diagonal block's
+  `v_i` whole, at a mask's coordinates, or `P_1^T V_i P_2` of `v_i` zero-padded into
+  a grid of `P_1`'s by `P_2`'s rows."""
   p_in, p_out = (None if p is None else np.asarray(p, np.float64)[0] if p.ndim == 3
                  else np.asarray(p, np.float64) for p in projector.blocks[name])
   grads = np.asarray(grads, np.float64)
-  if grads.ndim == 2:  # A diagonal block.
-    return grads if p_in is None else grads @ p_in
+  if grads.ndim == 2 and (p_in is None or p_out is None):  # Diagonal: whole, or a mask.
+    return grads if p_in is None else grads[:, np.flatnonzero(p_in)]
+  if grads.ndim == 2:  # Diagonal, random: the grid's two sides.
+    (n1, _), n2 = p_in.shape, p_out.shape[0]
+    grid = np.pad(grads, ((0, 0), (0, n1 * n2 - grads.shape[1]))).reshape(-1, n1, n2)
+    return np.einsum("nij,ik,jl->nkl", grid, p_in, p_out).reshape(len(grads), -1)
   if p_in is not None:
     grads = np.einsum("ik,nio->nko", p_in, grads)
   if p_out is not None:
@@ -55,8 +61,11 @@ def test_dense_layers_with_biases_and_a_scale(k):
   for name, block in zip(("w1", "w2", "s"), blocks):
     expected = _expected(projector, name, block[-1])
     _assert_close(got[name][:, 0] if got[name].ndim == 4 else got[name], expected)
-  # A side of at most k dimensions is kept whole (the scale's 3 entries with k = 2).
+  # A side of at most k dimensions is kept whole (the scale's 3 entries with k = 2);
+  # with k = 1 they are laid out as a 2 x 2 grid, each side projected to 1.
   assert (projector.blocks["s"][0] is None) == (k == 2)
+  if k == 1:
+    assert [p.shape for p in projector.blocks["s"]] == [(2, 1), (2, 1)]
   assert projector.blocks["w2"][0].shape == (1, 5, k)  # 4 inputs and the bias's 1.
 
 
@@ -100,6 +109,14 @@ def test_pca_keeps_the_top_eigenvectors_of_each_covariance():
     p = np.asarray(projector.blocks["w1"][side], np.float64)[0]
     np.testing.assert_allclose(np.abs(top.T @ p), np.eye(2), atol=1e-5)  # Up to sign.
     assert values[-2] > values[-3]  # A top-2 subspace that is well defined.
+  # A diagonal block larger than k * k (the scale's 3 entries, k = 1) keeps the
+  # coordinate whose per-example gradients have the largest mean square.
+  one = gl.fit_projector(loss, params, _batches(x, t), k=1, init="pca")
+  (_, _, _, _), _, (_, scale_grads) = _mlp_blocks(params, x, t, forward, loss)
+  square = np.mean(np.asarray(scale_grads, np.float64) ** 2, axis=0)
+  np.testing.assert_array_equal(one.blocks["s"][0], square == square.max())
+  _assert_close(_projected(loss, params, one, x, t).grads["s"],
+                np.asarray(scale_grads)[:, [np.argmax(square)]])
 
 
 @pytest.mark.parametrize("strategy", ["identity", "ekfac", "full"])
