@@ -124,7 +124,9 @@ def _check_blocks(api: str, projector: Projector, arrays: dict[str, Any],
     p_in, p_out = projector.blocks[name]
     if layout[name].kind == DIAGONAL and p_in is not None and p_out is not None:
       grid = (p_in.shape[0], p_out.shape[0])
-      fitted = here if grid == _grid(here[0]) else (f"a {grid[0]} x {grid[1]} grid",)
+      fitted = here if grid == _grid(here[0]) else f"a {grid[0]} x {grid[1]} grid"
+    elif layout[name].kind == DIAGONAL and p_in is not None and p_in.ndim != 1:
+      fitted = "a dense projection, from an older oryx_gradlog"
     elif layout[name].kind == DIAGONAL:
       fitted = here if p_in is None else (p_in.shape[0],)
     else:

@@ -173,6 +173,16 @@ def test_bad_input_is_a_clear_error():
                      r"\(fitted for \(1, 6, 6\), here \(1, 6, 4\)\)\", \"'w2' \(fitted for "
                      r"\(1, 7, 3\), here \(1, 5, 3\)\)\"\]"):
     _projected(loss, params, projector, x, t)
+  # A diagonal block's dense projection of before stop 59 (now a grid's two sides).
+  projector = gl.fit_projector(loss, params, _batches(x, t), k=1)
+  old = dict(projector.blocks, s=(jnp.ones((3, 1)), None))
+  with pytest.raises(ValueError, match=r"of other sizes: \[\"'s' \(fitted for a dense "
+                     r"projection, from an older oryx_gradlog, here \(3,\)\)\"\]\). Fit the "
+                     r"projector"):
+    _projected(loss, params, gl.Projector(old, 1, "random"), x, t)
+  other = dict(projector.blocks, s=(jnp.ones((3, 1)), jnp.ones((1, 1))))  # Not 2 x 2.
+  with pytest.raises(ValueError, match=r"\[\"'s' \(fitted for a 3 x 1 grid, here \(3,\)\)"):
+    _projected(loss, params, gl.Projector(other, 1, "random"), x, t)
   with pytest.raises(TypeError, match=r"fit_influence\(projection=dict\): pass a "
                      r"gl.Projector"):
     gl.fit_influence(loss, params, _batches(x, t), projection={})
