@@ -147,7 +147,7 @@ def project(api: str, projector: Projector, arrays: dict[str, Any],
             layout: dict[str, Layout]) -> tuple[dict[str, Any], dict[str, Layout]]:
   """The blocks' arrays (`_blocks.block_arrays`) with their projections applied:
   Kronecker `(x P_in, g P_out)`, an embedding's `P_in` rows at its ids (a dense
-  block from then on, unless its `P_in` is `None`), diagonal `v P`."""
+  block from then on, unless its `P_in` is `None`), diagonal `_diagonal`'s."""
   _check_blocks(api, projector, arrays, layout)
   out, new_layout = {}, {}
   for name, value in arrays.items():
@@ -318,10 +318,11 @@ def _random(shapes, layout: dict[str, Layout], k: int, seed: int) -> Projector:
     key = jax.random.fold_in(jax.random.PRNGKey(seed), i)
     if layout[name].kind == DIAGONAL:
       size = shapes[name].shape[1]
-      grid = _grid(size)
-      blocks[name] = ((None, None) if size <= k * k else tuple(
-          _gaussian(side_key, side, k)
-          for side_key, side in zip(jax.random.split(key), grid)))
+      if size <= k * k:
+        blocks[name] = (None, None)
+        continue
+      (n1, n2), (key_1, key_2) = _grid(size), jax.random.split(key)
+      blocks[name] = (_gaussian(key_1, n1, k), _gaussian(key_2, n2, k))
       continue
     x, g = shapes[name]
     stacks, d_out = g.shape[0], g.shape[-1]
