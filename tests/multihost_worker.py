@@ -85,6 +85,19 @@ def _join(args) -> None:
       process_id=args.process_id)
 
 
+def _all_compiled() -> None:
+  """Waits, without a deadline that matters, until every process has compiled.
+
+  The first collective sets up gloo's context, and gloo gives up on a process that
+  has not arrived within 30 seconds: on a loaded 2-core machine one process can
+  compile that much later than another. The coordination service's barrier waits
+  10 minutes (the test kills the processes long before).
+  """
+  from jax._src import distributed  # noqa: PLC0415  (no public barrier without a collective)
+
+  distributed.global_state.client.wait_at_barrier("compiled", 600_000)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   for flag in ("--port", "--processes", "--process-id", "--steps"):
@@ -116,10 +129,14 @@ def main() -> None:
   # Made in the shardings `train_step` returns the statistics in (per-example leaves
   # over the batch, the rest replicated), so that step 1 does not compile it again.
   shapes = jax.eval_shape(init_stats, params, *batch(0))
-  stats = jax.jit(init_stats, out_shardings=jax.tree.map(
-      lambda v: by_example if v.ndim and v.shape[0] == BATCH else replicated, shapes))(
-          params, *batch(0))
-  step_fn = jax.jit(train_step)
+  shardings = jax.tree.map(
+      lambda v: by_example if v.ndim and v.shape[0] == BATCH else replicated, shapes)
+  init_fn = jax.jit(init_stats, out_shardings=shardings).lower(params, *batch(0)).compile()
+  stats_spec = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                            shapes, shardings)
+  step_fn = jax.jit(train_step).lower(params, stats_spec, *batch(0)).compile()
+  _all_compiled()
+  stats = init_fn(params, *batch(0))
   log = gl.RunLog(args.run_dir, dims=DIMS, resume=args.resume,
                   steps_per_chunk=args.steps_per_chunk)
   start = log.committed_steps if args.resume else 0
