@@ -59,8 +59,8 @@ the batch's gradients: their TracIn scores over the run (`gl.tracin`), compared 
 EK-FAC's at the end; the products of the last step are checked against `vmap`'s.
 
 Run: python examples/13_stdlib_attribution.py [--quick | --size small|medium|gpt2]
-     [--query-rank R] [--params FILE [--train-only]] [--queries N] [--query-block N]
-     [--save-scores FILE] [--compare-scores FILE] [--no-checks]
+     [--query-rank R] [--steps N] [--params FILE [--train-only]] [--queries N]
+     [--query-block N] [--save-scores FILE] [--compare-scores FILE] [--no-checks]
      [--log-run DIR [--log-self] [--tracin N]]
 """
 
@@ -376,6 +376,8 @@ def main():
   parser.add_argument("--params", default=None, metavar="FILE",
                       help="the trained parameters (.npz): loaded where FILE exists "
                       "(training skipped), else trained and saved there")
+  parser.add_argument("--steps", type=int, default=None, metavar="N",
+                      help="training steps (default: the size's)")
   parser.add_argument("--train-only", action="store_true",
                       help="stop after training (with --params: save them for a later run)")
   parser.add_argument("--queries", type=int, default=None, metavar="N",
@@ -410,6 +412,9 @@ def main():
   args = parser.parse_args()
   size = SIZES["quick" if args.quick else args.size]
   rank = args.query_rank or size["rank"]
+  steps = size["steps"] if args.steps is None else args.steps
+  if steps < 1:
+    raise ValueError(f"--steps {steps}: give at least 1 training step.")
   seq, n_train = size["seq"], size["n_train"]
   (train_windows, train_where), (query_windows, query_where), (files, text_bytes) = (
       problem(size))
@@ -454,11 +459,13 @@ def main():
     print(f"loaded the trained parameters from {args.params}")
   else:
     (params, last, last_logged), phase = train(
-        loss, params, train_windows, size["steps"], size["batch"], log=log,
+        loss, params, train_windows, steps, size["batch"], log=log,
         projector=projector, log_self=args.log_self,
         queries=None if tracin_queries is None else jnp.asarray(tracin_queries)), (
             "train" + (" (logged)" if log else ""))
-    print(f"trained {size['steps']} steps: loss {last:.3f} nats a byte")
+    seconds, compile_s = time.perf_counter() - started, compiling() - compiled
+    print(f"trained {steps} steps: loss {last:.3f} nats a byte; "
+          f"{1e3 * (seconds - compile_s) / steps:.1f} ms a step besides compiling")
     if args.params:
       with open(args.params, "wb") as f:  # The name as given (savez adds no ".npz").
         np.savez(f, *(np.asarray(v) for v in jax.tree.leaves(params)))

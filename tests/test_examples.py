@@ -62,6 +62,8 @@ def test_stdlib_attribution_keeps_its_parameters_and_compares_scores(capsys, mon
   with pytest.raises(ValueError, match="--compare-scores: .* at most its --queries"):
     run("--quick", "--params", str(saved), "--queries", "5", "--compare-scores",
         str(scores))
+  with pytest.raises(ValueError, match="--steps 0: give at least 1"):
+    run("--quick", "--steps", "0")
   with pytest.raises(ValueError, match="--params: .* other shapes"):
     run("--size", "small", "--params", str(saved), "--train-only")
 
@@ -72,13 +74,14 @@ def test_stdlib_attribution_logs_its_training_run(capsys, monkeypatch, tmp_path)
   run = lambda *flags: (monkeypatch.setattr(sys, "argv", [str(path), *flags]),
                         runpy.run_path(str(path), run_name="__main__"))
   run("--quick", "--log-run", str(tmp_path / "run"), "--log-self", "--tracin", "2",
-      "--train-only")
+      "--train-only", "--steps", "30")
   out = capsys.readouterr().out
   # The example's own check: the last step's logged ids, losses, Adam self-products
   # and the queries' Adam products against vmap's of its rows.
   assert ("ids and losses and self-products and the queries' Adam products are vmap's "
           "of its rows") in out
-  assert "TracIn under Adam of 2 queries over the 60 logged steps" in out
+  assert "trained 30 steps" in out
+  assert "TracIn under Adam of 2 queries over the 30 logged steps" in out
   # The sequence of the highest self-influence is on the report's page, as its text.
   top = re.search(r"self-influence under Adam.*\n +\S+ +(\S+:\d+) ", out).group(1)
   assert top in (tmp_path / "run" / "report" / "attribution.html").read_text()
