@@ -66,6 +66,7 @@ def train_step(params, stats, x, y):
   logged = {
       "loss": value,
       "h": records["h"],  # Per-example: sharded over processes like the batch.
+      "h16": records["h"].astype(jnp.bfloat16),  # Shards of a dtype zarr lacks.
       "summary": gl.summarize({"h": records["h"]}, keep_axes=1),  # Per example.
       "batch_summary": gl.summarize(records),  # Over the batch: replicated scalars.
       "norms": {"total": norms.norms, "layers": norms.layers},

@@ -46,6 +46,11 @@ Sharp edges:
     `None` is an error; `None` deeper in a value (a record's place for an integer
     leaf, which has no cotangent) is skipped, as pytrees skip it.
   * Staged steps are host copies: at most `steps_per_chunk` steps of every leaf.
+  * Leaves of JAX's extra dtypes, which zarr has no type for (bfloat16, as a
+    bfloat16 model's records are, float8_*, int4, ...), are stored in float32, int8
+    or uint8, which hold their values exactly, and read back so; the array's
+    `logged_dtype` attribute names the dtype logged, which the key keeps across
+    `resume=True`. Cast to float16 first to store half the bytes of float32.
   * Step numbers are integers (Python, numpy or 0-d JAX integers) that strictly
     increase from one `append` to the next, across `resume=True` too; a repeated,
     decreasing or non-integer step is a `ValueError` at `append`, and the steps
@@ -290,7 +295,12 @@ class RunLog:
     self._names: dict[Any, tuple[list[str], bool]] = {}
     # Each leaf's (shape, dtype), fixed by the first step that logs it (the training
     # thread's copy, checked at `append`).
-    self._specs = {name: (tuple(shape), np.dtype(dtype))
+    # Leaves of JAX's extra dtypes (bfloat16, ...) stored in standard ones: the
+    # dtype logged (the writer's, and an array attribute for `resume`).
+    self._logged_dtypes = {_key(name, array): jnp.dtype(array.attrs[_LOGGED_DTYPE])
+                           for name, array in self._root.arrays()
+                           if _LOGGED_DTYPE in array.attrs}
+    self._specs = {name: (tuple(shape), self._logged_dtypes.get(name, np.dtype(dtype)))
                    for name, (shape, dtype, _) in self._layouts.items() if name != "step"}
     self._last_step = (int(self._root["step"][self._committed - 1])
                        if self._committed and "step" in self._root else None)
@@ -671,12 +681,19 @@ class RunLog:
                 f"uneven shards ({shard.data.shape} at {region}, others {chunk}); each "
                 "process writes whole chunks of one shard. Pad the leaf so its sharded "
                 "axes divide evenly by the mesh axes, or log it replicated.")
-          parts[region] = np.asarray(shard.data)
-      return parts, (tuple(value.shape), np.dtype(value.dtype), chunk)
-    host = np.asarray(jax.device_get(value))
+          parts[region] = self._stored(name, np.asarray(shard.data))
+      return parts, (tuple(value.shape), _stored(np.dtype(value.dtype)), chunk)
+    host = self._stored(name, np.asarray(jax.device_get(value)))
     whole = tuple((0, size) for size in host.shape)
     parts = {whole: host} if self._process == 0 else {}
     return parts, (host.shape, host.dtype, host.shape)
+
+  def _stored(self, name: str, host: np.ndarray) -> np.ndarray:
+    """`host` in the dtype zarr stores it in, remembering the dtype logged."""
+    stored = _stored(host)
+    if stored.dtype != host.dtype:
+      self._logged_dtypes.setdefault(name, host.dtype)
+    return stored
 
   def _commit(self) -> None:
     """Writes the staged steps to every array, then advances `committed_steps`."""
@@ -709,7 +726,9 @@ class RunLog:
           store_name(name), shape=(self._capacity, *shape),
           chunks=(self._steps_per_chunk, *chunk), dtype=dtype,
           fill_value=-1 if name == "step" else _fill(dtype), dimension_names=dims,
-          attributes={} if store_name(name) == name else {"key": name})
+          attributes={**({} if store_name(name) == name else {"key": name}),
+                      **({_LOGGED_DTYPE: self._logged_dtypes[name].name}
+                         if name in self._logged_dtypes else {})})
     except Exception:  # Another process made it first (the same metadata): use it.
       if self._processes == 1 or store_name(name) not in self._root:
         raise
@@ -794,6 +813,21 @@ def _check_folder(run_dir: str) -> None:
     raise NotADirectoryError(
         f"RunLog({run_dir!r}): the run folder {where}, not a directory. Pass the path "
         "of a folder (it is created if missing), not of a file.")
+
+
+def _stored(value):
+  """`value` (a NumPy array or a dtype) as zarr stores it: as it is, or, for JAX's
+  extra types (ml_dtypes' bfloat16, float8_*, int4, ...), which zarr has no type
+  for, in the standard type that holds each of their values exactly (float32, int8,
+  uint8)."""
+  dtype = value.dtype if isinstance(value, np.ndarray) else np.dtype(value)
+  if dtype.kind != "V":
+    return value
+  if jnp.issubdtype(dtype, jnp.inexact):
+    stored = np.dtype(np.float32)
+  else:
+    stored = np.dtype(np.int8 if jnp.issubdtype(dtype, jnp.signedinteger) else np.uint8)
+  return value.astype(stored) if isinstance(value, np.ndarray) else stored
 
 
 def _fill(dtype) -> Any:
@@ -896,6 +930,9 @@ def open_run(run_dir: str | os.PathLike):
   if os.path.exists(images):
     dataset.attrs["examples_images"] = images
   return dataset.rename_vars(keys)
+
+
+_LOGGED_DTYPE = "logged_dtype"  # An array's attribute: the dtype logged, when not stored.
 
 
 def _key(name: str, array) -> str:

@@ -71,6 +71,31 @@ def test_resume_appends_and_an_existing_run_is_not_overwritten(tmp_path):
   np.testing.assert_array_equal(run["y"].values, [[0, 0]] * 3 + [[1, 1]])  # Back-filled.
 
 
+def test_bfloat16_and_int4_records_are_stored_exactly_and_resume_as_logged(tmp_path):
+  # Records of a bfloat16 model: dtypes of JAX's (ml_dtypes') that zarr has no type
+  # for; stored in float32 and int8, which hold every such value exactly.
+  def logged(step):
+    records, _ = _step(*_data(step))
+    return {"h": records["h"].astype(jnp.bfloat16), "code": jnp.arange(-8, 8, dtype=jnp.int4)}
+
+  steps = [logged(step) for step in range(5)]
+  with gl.RunLog(tmp_path, steps_per_chunk=2) as log:
+    for step in range(3):
+      log.append(step, steps[step])
+  with gl.RunLog(tmp_path, resume=True) as log:  # The dtype logged is kept for the checks.
+    with pytest.raises(ValueError, match=r"'h' was logged as bfloat16\[4, 2\] and is "
+                       r"float32\[4, 2\] at step 3"):
+      log.append(3, {**steps[3], "h": steps[3]["h"].astype(jnp.float32)})
+    for step in (3, 4):
+      log.append(step, steps[step])
+  run = gl.open_run(tmp_path)
+  assert run["h"].dtype == np.float32 and run["code"].dtype == np.int8
+  np.testing.assert_array_equal(run["h"].values, np.stack([np.asarray(s["h"], np.float32)
+                                                           for s in steps]))
+  np.testing.assert_array_equal(run["code"].values, [np.arange(-8, 8)] * 5)
+  assert run["h"].attrs["logged_dtype"] == "bfloat16"
+
+
 def test_drop_policy_counts_dropped_steps(tmp_path, monkeypatch):
   slow = gl.RunLog._stage
 
