@@ -669,6 +669,7 @@ class RunLog:
     `replica_id == 0` shards held here, or a host value on process 0.
     """
     if self._processes > 1 and isinstance(value, jax.Array) and not value.is_fully_addressable:
+      dtype = self._stored_dtype(name, np.dtype(value.dtype))
       chunk = tuple(value.sharding.shard_shape(value.shape))
       parts = {}
       for shard in value.addressable_shards:
@@ -681,18 +682,19 @@ class RunLog:
                 f"uneven shards ({shard.data.shape} at {region}, others {chunk}); each "
                 "process writes whole chunks of one shard. Pad the leaf so its sharded "
                 "axes divide evenly by the mesh axes, or log it replicated.")
-          parts[region] = self._stored(name, np.asarray(shard.data))
-      return parts, (tuple(value.shape), _stored(np.dtype(value.dtype)), chunk)
-    host = self._stored(name, np.asarray(jax.device_get(value)))
+          parts[region] = np.asarray(shard.data).astype(dtype, copy=False)
+      return parts, (tuple(value.shape), dtype, chunk)
+    host = np.asarray(jax.device_get(value))
+    host = host.astype(self._stored_dtype(name, host.dtype), copy=False)
     whole = tuple((0, size) for size in host.shape)
     parts = {whole: host} if self._process == 0 else {}
     return parts, (host.shape, host.dtype, host.shape)
 
-  def _stored(self, name: str, host: np.ndarray) -> np.ndarray:
-    """`host` in the dtype zarr stores it in, remembering the dtype logged."""
-    stored = _stored(host)
-    if stored.dtype != host.dtype:
-      self._logged_dtypes.setdefault(name, host.dtype)
+  def _stored_dtype(self, name: str, dtype: np.dtype) -> np.dtype:
+    """The dtype zarr stores `name`'s `dtype` in, remembering `dtype` if another."""
+    stored = _stored(dtype)
+    if stored != dtype:
+      self._logged_dtypes.setdefault(name, dtype)
     return stored
 
   def _commit(self) -> None:
@@ -815,19 +817,15 @@ def _check_folder(run_dir: str) -> None:
         "of a folder (it is created if missing), not of a file.")
 
 
-def _stored(value):
-  """`value` (a NumPy array or a dtype) as zarr stores it: as it is, or, for JAX's
-  extra types (ml_dtypes' bfloat16, float8_*, int4, ...), which zarr has no type
-  for, in the standard type that holds each of their values exactly (float32, int8,
-  uint8)."""
-  dtype = value.dtype if isinstance(value, np.ndarray) else np.dtype(value)
+def _stored(dtype: np.dtype) -> np.dtype:
+  """The dtype zarr stores `dtype` in: itself, or, for JAX's extra types (ml_dtypes'
+  bfloat16, float8_*, int4, ...), which zarr has no type for, the standard type
+  that holds each of their values exactly (float32, int8, uint8)."""
   if dtype.kind != "V":
-    return value
+    return dtype
   if jnp.issubdtype(dtype, jnp.inexact):
-    stored = np.dtype(np.float32)
-  else:
-    stored = np.dtype(np.int8 if jnp.issubdtype(dtype, jnp.signedinteger) else np.uint8)
-  return value.astype(stored) if isinstance(value, np.ndarray) else stored
+    return np.dtype(np.float32)
+  return np.dtype(np.int8 if jnp.issubdtype(dtype, jnp.signedinteger) else np.uint8)
 
 
 def _fill(dtype) -> Any:
