@@ -117,6 +117,7 @@ from oryx_gradlog.statistics._summaries import DEFAULT_BINS
 
 STORE_NAME = "log.zarr"
 MARKS = "_commit/steps"  # One committed-step mark per process, in many-process runs.
+_LOGGED_DTYPE = "logged_dtype"  # An array's attribute: the dtype logged, when not stored.
 _MANY_PROCESS_CAPACITY = 2**40  # Steps; chunks not written take no space.
 _STOP, _FLUSH = object(), object()
 _TEXT_LENGTH = 80  # Characters of a text kept by `RunLog.describe_examples`.
@@ -288,18 +289,18 @@ class RunLog:
     self.dropped = int(self._root.attrs.get("dropped_steps", 0))
     self.waits = int(self._root.attrs.get("backpressure_waits", 0))
     self.waited_s = float(self._root.attrs.get("backpressure_seconds", 0.0))
-    self._layouts = {_key(name, array): (array.shape[1:], array.dtype, array.chunks[1:])
-                     for name, array in self._root.arrays()}
+    arrays = {_key(name, array): array for name, array in self._root.arrays()}  # One listing.
+    self._layouts = {name: (array.shape[1:], array.dtype, array.chunks[1:])
+                     for name, array in arrays.items()}
     # Per tree structure: the variable names, and whether any leaf is on an
     # accelerator (whose copy to the host `append` starts).
     self._names: dict[Any, tuple[list[str], bool]] = {}
-    # Each leaf's (shape, dtype), fixed by the first step that logs it (the training
-    # thread's copy, checked at `append`).
     # Leaves of JAX's extra dtypes (bfloat16, ...) stored in standard ones: the
     # dtype logged (the writer's, and an array attribute for `resume`).
-    self._logged_dtypes = {_key(name, array): jnp.dtype(array.attrs[_LOGGED_DTYPE])
-                           for name, array in self._root.arrays()
-                           if _LOGGED_DTYPE in array.attrs}
+    self._logged_dtypes = {name: jnp.dtype(array.attrs[_LOGGED_DTYPE])
+                           for name, array in arrays.items() if _LOGGED_DTYPE in array.attrs}
+    # Each leaf's (shape, dtype), fixed by the first step that logs it (the training
+    # thread's copy, checked at `append`).
     self._specs = {name: (tuple(shape), self._logged_dtypes.get(name, np.dtype(dtype)))
                    for name, (shape, dtype, _) in self._layouts.items() if name != "step"}
     self._last_step = (int(self._root["step"][self._committed - 1])
@@ -928,9 +929,6 @@ def open_run(run_dir: str | os.PathLike):
   if os.path.exists(images):
     dataset.attrs["examples_images"] = images
   return dataset.rename_vars(keys)
-
-
-_LOGGED_DTYPE = "logged_dtype"  # An array's attribute: the dtype logged, when not stored.
 
 
 def _key(name: str, array) -> str:
