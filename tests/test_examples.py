@@ -49,9 +49,11 @@ def test_stdlib_attribution_keeps_its_parameters_and_compares_scores(capsys, mon
   out = capsys.readouterr().out
   assert "trained 60 steps" in out and "check:" in out and np.load(scores).shape[0] == 4
   # The same parameters loaded, not trained: the same scores.
-  run("--quick", "--params", str(saved), "--queries", "4", "--compare-scores", str(scores))
-  out = capsys.readouterr().out
+  run("--quick", "--params", str(saved), "--queries", "4", "--compare-scores", str(scores),
+      "--progress")
+  out, err = capsys.readouterr()
   assert "loaded the trained parameters" in out and "trained 60 steps" not in out
+  assert "fit_influence: pass 2/2" in err and "Influence.scores: training batches" in err
   assert "times (s, of them compiling): load " in out
   rho = re.search(r"Spearman per query mean ([\d.]+), min ([\d.]+)", out).groups()
   assert [float(r) for r in rho] == [1.0, 1.0]

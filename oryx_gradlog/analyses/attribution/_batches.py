@@ -20,7 +20,7 @@ Sharp edges:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -131,3 +131,18 @@ def progress(batches: Iterable, desc: str, show: bool) -> Iterable:
     return batches
   total = len(batches) if hasattr(batches, "__len__") else None
   return tqdm(batches, desc=desc, total=total, unit="batch", leave=False)
+
+
+def one_ahead(results: Iterable) -> Iterator:
+  """`results` (one per batch, each a pytree of arrays of the batch's program), each
+  passed on once the next batch's program is dispatched and the one before it has
+  finished. JAX dispatches asynchronously: the device keeps working while the host
+  waits, yet at most two batches are in flight (not every batch's outputs allocated
+  at once), and a progress bar over the batches says how far the device has got."""
+  pending = None
+  for result in results:
+    if pending is not None:
+      jax.block_until_ready(pending)
+    leaves = jax.tree.leaves(result)
+    pending = min(leaves, key=np.size) if leaves else None  # Ready with the rest.
+    yield result

@@ -51,6 +51,12 @@ Sharp edges:
     d_in x d_out` floats per layer, `B x vocabulary x d` for an embedding).
   * `sampled_loss` draws batch i's labels with `jax.random.fold_in(key, i)`: the
     same labels in both passes of `"ekfac"`.
+  * Each pass sums over the batches on the device, in float32 (float64 with
+    `jax_enable_x64`), and reads its sums back once: the device holds two copies of
+    every block's `A` and `S` in the first pass (`d_in^2 + d_out^2` floats per layer;
+    2.2 GiB at GPT-2-small's shape) and of its eigenvalues in the second (`d_in x
+    d_out`), besides the batch's own program. On a TPU the products are at the
+    default matmul precision (one bfloat16 pass), as the model's own.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +74,7 @@ from oryx_gradlog import _repr
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.analyses.attribution._blocks import (
-    DIAGONAL, Gradients, Layout, factor_sums, per_example)
+    DIAGONAL, Gradients, Layout, factor_sums, per_example, summed)
 from oryx_gradlog.analyses.attribution._projection import Projector, project
 from oryx_gradlog.record._kinds import EMBED
 
@@ -245,12 +251,34 @@ def shapes(*args) -> tuple:
   return treedef, tuple((tuple(np.shape(v)), str(jnp.result_type(v))) for v in leaves)
 
 
+class Programs(NamedTuple):
+  """A loss's jitted programs of one batch (internal), kept across calls."""
+
+  passes: Pass
+  arrays: Callable  # (params, batch, projection) -> {block: Pass.arrays}
+  covariances: Callable  # (params, batch, projection) -> {block: factor_sums}
+  corrections: Callable  # (bases, params, batch, projection) -> {block: [squares, examples]}
+
+
 @functools.lru_cache(maxsize=16)
-def passes_of(api: str, fun: Callable, argnums: int, positions) -> tuple[Pass, Callable]:
-  """The `Pass` of a loss and its jitted `arrays`, kept across calls (`fit_influence`
-  of the same loss and shapes compiles it once)."""
+def passes_of(api: str, fun: Callable, argnums: int, positions) -> Programs:
+  """The `Pass` of a loss and its jitted programs, kept across calls (`fit_influence`
+  of the same loss and shapes compiles them once). The covariances and EK-FAC's
+  corrections are summed inside the pass's program: the records never leave it."""
   passes = Pass(Gradients(api, fun, argnums, positions), api)
-  return passes, jax.jit(passes.arrays)
+
+  def covariances(params, batch, projection):
+    out = passes.arrays(params, batch, projection)
+    layouts = passes.layouts[shapes(params, batch, projection)]
+    return {key: factor_sums(layouts[key], value) for key, value in out.items()}
+
+  def corrections(bases, params, batch, projection):
+    out = passes.arrays(params, batch, projection)
+    layouts = passes.layouts[shapes(params, batch, projection)]
+    return {key: [_rotated_squares(block, out[key], layouts[key]),
+                  jnp.asarray(out[key][1].shape[1])] for key, block in bases.items()}
+
+  return Programs(passes, jax.jit(passes.arrays), jax.jit(covariances), jax.jit(corrections))
 
 
 def rotated(block: KroneckerBlock, layout: Layout, value, rotate: bool = True):
@@ -305,45 +333,38 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
   label_key = jax.random.PRNGKey(0) if key is None else key
   # The fitted function and its jitted pass, made at the first batch: `sampled_loss`
   # takes one argument more than the batch, its key, which is not a batch argument.
-  made: list = []  # The pass and its jitted arrays, made at the first batch.
+  made: list = []  # The loss's `Programs`, made at the first batch.
   layouts: dict[str, Layout] = {}
 
-  def arrays(params, batch, i):
-    if not made:
-      fun, positions = loss, batch_argnums
-      if sampled_loss is not None:
-        fun = sampled_loss
-        positions = _batches.positions(argnums, positions, len(batch) + 1)
-      made.extend(_batches.kept_per_loss(passes_of, api, fun, argnums, positions))
-    if sampled_loss is not None:
-      batch = batch + (jax.random.fold_in(label_key, i),)
-    out = made[1](params, batch, projection)
-    layouts.update(made[0].layouts[shapes(params, batch, projection)])
-    return out
-
-  passes_total = 2 if strategy == "ekfac" else 1
-
-  def each(check_first: bool):
+  def each(check_first: bool, program: str, *first):
+    """`Programs.<program>(*first, params, batch, projection)` of every batch."""
     number = 1 if check_first else 2
     shown = _batches.progress(batches, f"{api}: pass {number}/{passes_total}", progress)
     for i, batch in enumerate(shown):
       batch = _batches.as_args(api, batch, f"batches[{i}]")
       if check_first and i == 0:
         _check_loss_is_a_mean(api, loss, params, batch, argnums, batch_argnums)
-      yield arrays(params, batch, i)
+      if not made:
+        fun, positions = loss, batch_argnums
+        if sampled_loss is not None:
+          fun = sampled_loss
+          positions = _batches.positions(argnums, positions, len(batch) + 1)
+        made.append(_batches.kept_per_loss(passes_of, api, fun, argnums, positions))
+      if sampled_loss is not None:
+        batch = batch + (jax.random.fold_in(label_key, i),)
+      out = getattr(made[0], program)(*first, params, batch, projection)
+      layouts.update(made[0].passes.layouts[shapes(params, batch, projection)])
+      yield out
 
+  passes_total = 2 if strategy == "ekfac" else 1
   if strategy == "full":
-    return InfluenceFactors(_full_blocks(api, each(check_first=True), layouts, damping),
-                            strategy, projection)
+    return InfluenceFactors(
+        _full_blocks(api, each(True, "arrays"), layouts, damping), strategy, projection)
 
   # Pass 1: the Kronecker factors (sums over examples x positions) and the
   # diagonal blocks' sums of squares.
-  sums: dict[str, list] = {}
-  for out in each(check_first=True):
-    for key, value in out.items():
-      parts = factor_sums(layouts[key], value)
-      sums[key] = parts if key not in sums else [u + v for u, v in zip(sums[key], parts)]
-  if not sums:
+  sums = summed(each(True, "covariances"))
+  if sums is None:
     raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
 
   blocks: dict[str, Any] = {}
@@ -369,12 +390,11 @@ def fit_factors(loss: Callable, params, batches: Iterable, options: dict) -> Inf
       blocks[key] = DiagonalBlock(eig, np.zeros(()), keys)
 
   if strategy == "ekfac":  # Pass 2: the eigenvalues corrected in the eigenbases.
-    corrected = {key: [0.0, 0] for key, b in blocks.items() if isinstance(b, KroneckerBlock)}
-    for out in each(check_first=False):
-      for key in corrected:
-        total = _rotated_squares(blocks[key], out[key], layouts[key])
-        corrected[key][0] = corrected[key][0] + np.asarray(total, np.float64)
-        corrected[key][1] += out[key][1].shape[1]
+    bases = {key: jax.tree.map(jnp.asarray, dataclasses.replace(
+        block, eigenvalues=None, damping=None)) for key, block in blocks.items()
+             if isinstance(block, KroneckerBlock)}
+    corrected = summed(each(False, "corrections", bases))
+    del bases
     for key, (total, count) in corrected.items():
       blocks[key] = dataclasses.replace(blocks[key], eigenvalues=total / count)
 

@@ -312,12 +312,13 @@ class Influence:
     def rows(parts):
       queries = _joined(parts)
       shown = _batches.progress(train_batches, f"{api}: training batches", progress)
-      columns = [np.asarray(score(self.factors, self.params,
-                                  _batches.as_args(api, b, f"train_batches[{i}]"), queries))
-                 for i, b in enumerate(shown)]
+      # Read back at the end: the device works while the host waits.
+      columns = list(_batches.one_ahead(
+          score(self.factors, self.params, _batches.as_args(api, b, f"train_batches[{i}]"),
+                queries) for i, b in enumerate(shown)))
       if not columns:
         raise ValueError(f"{api}: train_batches is empty; pass at least one batch.")
-      return np.concatenate(columns, axis=1)
+      return np.concatenate([np.asarray(c) for c in columns], axis=1)
 
     blocks, parts, held = [], [], 0
     for i, batch in enumerate(query_batches):
@@ -361,12 +362,12 @@ class Influence:
 
       self._jitted[key] = jax.jit(own)
     shown = _batches.progress(batches, api, progress)
-    values = [np.asarray(self._jitted[key](self.factors, self.params,
-                                           _batches.as_args(api, b, f"batches[{i}]")))
-              for i, b in enumerate(shown)]
+    values = list(_batches.one_ahead(
+        self._jitted[key](self.factors, self.params, _batches.as_args(api, b, f"batches[{i}]"))
+        for i, b in enumerate(shown)))
     if not values:
       raise ValueError(f"{api}: batches is empty; pass at least one batch.")
-    return np.concatenate(values)
+    return np.concatenate([np.asarray(v) for v in values])
 
   @staticmethod
   def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -48,7 +48,7 @@ from oryx_gradlog import _repr
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.analyses.attribution._blocks import (
-    DIAGONAL, KRONECKER, Gradients, Layout, block_arrays, factor_sums, per_example)
+    DIAGONAL, KRONECKER, Gradients, Layout, block_arrays, factor_sums, per_example, summed)
 from oryx_gradlog.record._kinds import EMBED
 
 INITS = ("random", "pca")
@@ -295,13 +295,14 @@ def fit_projector(
       raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
     return _random(jax.eval_shape(arrays, params, _batches.as_args(api, first, "batches[0]")),
                    layout, k, seed)
-  sums: dict[str, list] = {}
-  jitted = jax.jit(arrays)
-  for i, batch in enumerate(batches):
-    for name, value in jitted(params, _batches.as_args(api, batch, f"batches[{i}]")).items():
-      parts = factor_sums(layout[name], value)
-      sums[name] = parts if name not in sums else [u + v for u, v in zip(sums[name], parts)]
-  if not sums:
+  def covariances(params, batch):
+    return {name: factor_sums(layout[name], value)
+            for name, value in arrays(params, batch).items()}
+
+  jitted = jax.jit(covariances)
+  sums = summed(jitted(params, _batches.as_args(api, batch, f"batches[{i}]"))
+                for i, batch in enumerate(batches))
+  if sums is None:
     raise ValueError(f"{api}: `batches` is empty; pass at least one batch.")
   return _pca(sums, layout, k)
 

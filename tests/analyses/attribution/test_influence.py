@@ -569,6 +569,59 @@ def test_a_second_fit_and_scores_of_the_same_loss_and_shapes_compile_nothing(cap
   _assert_scores(again.scores(ones, train, progress=False), expected, tol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+def test_fitting_reads_back_to_the_host_once_a_pass_not_once_a_batch(strategy, monkeypatch):
+  # The covariances and EK-FAC's corrections are summed on the device: reading every
+  # batch's back (an earlier version) took 5 s a batch at GPT-2's size on a TPU.
+  from oryx_gradlog.analyses.attribution import _blocks, _factors
+  params, x, t, _, loss = _mlp()
+  reads = []
+
+  class Counted:  # NumPy, counting the device arrays read back by np.asarray.
+    def __getattr__(self, name):
+      return getattr(np, name)
+
+    def asarray(self, value, *args, **kwargs):
+      if isinstance(value, jax.Array):
+        reads.append(value.shape)
+      return np.asarray(value, *args, **kwargs)
+
+  for module in (_blocks, _factors):
+    monkeypatch.setattr(module, "np", Counted())
+  fitted = {}
+  for size in (6, 2):  # 2 batches, then 6.
+    reads.clear()
+    fitted[size] = gl.fit_influence(loss, params, _batches(x[:N], t[:N], size=size),
+                                    strategy=strategy, progress=False)
+    fitted[size, "reads"] = len(reads)
+  assert fitted[6, "reads"] == fitted[2, "reads"] > 0
+  monkeypatch.undo()
+  for key, block in fitted[6].factors.blocks.items():  # The same sums, however batched.
+    np.testing.assert_allclose(block.eigenvalues, fitted[2].factors.blocks[key].eigenvalues,
+                               rtol=1e-5, atol=1e-8)
+
+
+def test_a_pass_waits_for_each_batch_once_the_next_is_dispatched(monkeypatch):
+  # JAX dispatches asynchronously: without a wait, every batch's program (and its
+  # outputs, 1.1 GiB of sums a batch at GPT-2's size) could be in flight at once, and
+  # a progress bar would run ahead of the device.
+  from oryx_gradlog.analyses.attribution import _batches
+  events = []
+  monkeypatch.setattr(_batches.jax, "block_until_ready",
+                      lambda v: events.append(("waited for", int(v))))
+
+  def dispatched():
+    for i in range(3):
+      events.append(("dispatched", i))
+      yield {"sums": jnp.full((2, 2), i), "count": jnp.asarray(i)}
+
+  for result in _batches.one_ahead(dispatched()):
+    events.append(("passed on", int(result["count"])))
+  assert events == [("dispatched", 0), ("passed on", 0),
+                    ("dispatched", 1), ("waited for", 0), ("passed on", 1),
+                    ("dispatched", 2), ("waited for", 1), ("passed on", 2)]
+
+
 def test_a_loss_that_is_not_hashable_scores_as_the_same_function_does():
   params, x, t, _, loss = _mlp()
 
