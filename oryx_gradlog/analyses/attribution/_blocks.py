@@ -130,7 +130,7 @@ def factor_sums(layout: Layout, value) -> list:
   diagonal block's `[sum of squares, examples]`."""
   if layout.kind == DIAGONAL:  # Summed in float32 at least (bfloat16 records too).
     value = value.astype(jnp.result_type(value, jnp.float32))
-    return [jnp.sum(value * value, axis=0), jnp.asarray(value.shape[0])]
+    return [jnp.sum(value * value, axis=0), as_count(value.shape[0])]
   x, g = value
   if layout.kind == EMBED:
     dtype = jnp.result_type(g, jnp.float32)
@@ -139,7 +139,14 @@ def factor_sums(layout: Layout, value) -> list:
   else:
     a = _common.dot("sbti,sbtj->sij", x, x)
   s = _common.dot("sbto,sbtp->sop", g, g)
-  return [a, s, jnp.asarray(g.shape[1] * g.shape[2])]
+  return [a, s, as_count(g.shape[1] * g.shape[2])]
+
+
+def as_count(number: int) -> jax.Array:
+  """A count of examples or positions, as a float (the default: float32, float64 with
+  x64), summed over batches with the rest: an int32 would overflow past 2**31
+  positions; float32 rounds only past 2**24, to a relative 6e-8 of a divisor."""
+  return jnp.asarray(float(number))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -149,8 +156,7 @@ def _added(total, new):
 
 def summed(batch_sums: Iterable) -> Any:
   """The sum of the pytrees `batch_sums` (one per batch, of the same structure),
-  kept on the device and read back once, as float64 NumPy arrays (integer counts as
-  they are); `None` for none. The running total's buffers are reused (donated), and
+  kept on the device and read back once, as float64 NumPy arrays; `None` for none. The running total's buffers are reused (donated), and
   at most two batches are in flight (`_batches.one_ahead`). (Reading every batch's
   sums back to add them in float64 on the host took 5 s a batch at GPT-2's size on
   a TPU, the time of 200 of its training steps.)"""
@@ -159,9 +165,7 @@ def summed(batch_sums: Iterable) -> Any:
     total = sums if total is None else _added(total, sums)
   if total is None:
     return None
-  return jax.tree.map(
-      lambda v: np.asarray(v, np.float64 if jnp.issubdtype(v.dtype, jnp.floating) else v.dtype),
-      total)
+  return jax.tree.map(lambda v: np.asarray(v, np.float64), total)
 
 
 class Gradients:

@@ -74,7 +74,7 @@ from oryx_gradlog import _repr
 from oryx_gradlog.analyses import _common
 from oryx_gradlog.analyses.attribution import _batches
 from oryx_gradlog.analyses.attribution._blocks import (
-    DIAGONAL, Gradients, Layout, factor_sums, per_example, summed)
+    DIAGONAL, Gradients, Layout, as_count, factor_sums, per_example, summed)
 from oryx_gradlog.analyses.attribution._projection import Projector, project
 from oryx_gradlog.record._kinds import EMBED
 
@@ -276,7 +276,7 @@ def passes_of(api: str, fun: Callable, argnums: int, positions) -> Programs:
     out = passes.arrays(params, batch, projection)
     layouts = passes.layouts[shapes(params, batch, projection)]
     return {key: [_rotated_squares(block, out[key], layouts[key]),
-                  jnp.asarray(out[key][1].shape[1])] for key, block in bases.items()}
+                  as_count(out[key][1].shape[1])] for key, block in bases.items()}
 
   return Programs(passes, jax.jit(passes.arrays), jax.jit(covariances), jax.jit(corrections))
 
