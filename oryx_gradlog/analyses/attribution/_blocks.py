@@ -156,10 +156,11 @@ def _added(total, new):
 
 def summed(batch_sums: Iterable) -> Any:
   """The sum of the pytrees `batch_sums` (one per batch, of the same structure),
-  kept on the device and read back once, as float64 NumPy arrays; `None` for none. The running total's buffers are reused (donated), and
-  at most two batches are in flight (`_batches.one_ahead`). (Reading every batch's
-  sums back to add them in float64 on the host took 5 s a batch at GPT-2's size on
-  a TPU, the time of 200 of its training steps.)"""
+  kept on the device and read back once, as float64 NumPy arrays; `None` for none.
+  The running total's buffers are reused (donated), and at most two batches are in
+  flight (`_batches.one_ahead`). (Reading every batch's sums back to add them in
+  float64 on the host took 5 s a batch at GPT-2's size on a TPU, the time of 200 of
+  its training steps.)"""
   total = None
   for sums in _batches.one_ahead(batch_sums):
     total = sums if total is None else _added(total, sums)
